@@ -1,0 +1,404 @@
+"""The policy schema: GPU models, profiles, teams, prices; every other part of gpupool reads these objects.
+
+The models are strict (no coercion of strings to numbers, no unknown keys) and immutable after loading.
+Checks that span several sections (a profile naming a team, a queue's parent) live in `references.py`.
+"""
+
+from __future__ import annotations
+
+import re
+from decimal import Decimal, InvalidOperation
+from fractions import Fraction
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    field_validator,
+    model_validator,
+)
+
+# --- scalar types -------------------------------------------------------------------------------
+
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+#: Kubernetes resource quantities, e.g. ``4``, ``500m``, ``32Gi``, ``1.5``.
+QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?")
+#: A Kubernetes resource name, e.g. ``cpu``, ``nvidia.com/gpu``, ``volcano.sh/vgpu-memory``.
+RESOURCE_NAME = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+MIG_PROFILE = re.compile(r"(\d)g\.(\d+)gb")
+
+_QUANTITY_FACTORS = {
+    None: 1, "m": Fraction(1, 1000), "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15,
+    "E": 10**18, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
+}
+
+
+def parse_quantity(text: str | int) -> Fraction:
+    """The value of a Kubernetes quantity (``32Gi`` → 34359738368, ``500m`` → 1/2)."""
+    match = QUANTITY.fullmatch(str(text))
+    if match is None:
+        raise ValueError(f"{text!r} is not a Kubernetes quantity (accepted: e.g. 4, 500m, 1.5, 32Gi)")
+    return Fraction(match.group(1)) * _QUANTITY_FACTORS[match.group(3)]
+
+
+def _quantity(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError("expected a Kubernetes quantity: a number or a string such as 500m or 32Gi")
+    text = str(value)
+    parse_quantity(text)
+    return text
+
+
+def _decimal(value: Any) -> Decimal:
+    """Money and GPU-hours: numbers (or numeric strings) made exact through their decimal text."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str, Decimal)):
+        raise ValueError("expected a decimal number such as 3.20")
+    try:
+        result = Decimal(str(value))
+    except InvalidOperation:
+        raise ValueError(f"{value!r} is not a decimal number (accepted: e.g. 3.20)") from None
+    if not result.is_finite():
+        raise ValueError("expected a finite decimal number")
+    if result < 0:
+        raise ValueError("must not be negative")
+    return result
+
+
+def _share(value: Any) -> Fraction:
+    """A share of one card: 0.25, 1/3 written as the string "1/3", or 2 for two cards."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str, Fraction)):
+        raise ValueError('expected a share such as 0.25, "1/3" or 2')
+    try:
+        result = Fraction(str(value)) if not isinstance(value, Fraction) else value
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f'{value!r} is not a share (accepted: e.g. 0.25, "1/3", 2)') from None
+    if result <= 0:
+        raise ValueError("a share must be greater than 0")
+    return result
+
+
+Quantity = Annotated[str, BeforeValidator(_quantity)]
+NonNegativeDecimal = Annotated[Decimal, BeforeValidator(_decimal), PlainSerializer(str, return_type=str)]
+Share = Annotated[Fraction, BeforeValidator(_share), PlainSerializer(str, return_type=str)]
+ResourceList = dict[str, Quantity]
+
+Backend = Literal["hami", "volcano-vgpu", "mig", "timeslice", "whole"]
+FRACTIONAL_BACKENDS: tuple[str, ...] = ("hami", "volcano-vgpu", "timeslice")
+#: Vendors whose cards gpupool can request; non-NVIDIA cards are shared through HAMi.
+Vendor = Literal["nvidia", "hygon", "metax"]
+
+#: MIG profiles each card model supports (NVIDIA's MIG user guide); the compute slices of a
+#: profile are its leading digit, out of `MIG_SLICES`.
+KNOWN_MIG_PROFILES: dict[str, tuple[str, ...]] = {
+    "H200": ("1g.18gb", "1g.35gb", "2g.35gb", "3g.71gb", "4g.71gb", "7g.141gb"),
+    "H100-80GB": ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
+    "A100-80GB": ("1g.10gb", "1g.20gb", "2g.20gb", "3g.40gb", "4g.40gb", "7g.80gb"),
+    "A100-40GB": ("1g.5gb", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"),
+    "A30": ("1g.6gb", "2g.12gb", "4g.24gb"),
+}
+MIG_SLICES: dict[str, int] = {"A30": 4}
+DEFAULT_MIG_SLICES = 7
+
+RESERVED_TEAM_NAMES = frozenset(
+    {
+        "default", "kube-system", "kube-public", "kube-node-lease", "volcano-system", "root",
+        "admin", "admins", "jupyterhub", "hub", "gpupool", "all", "none", "system",
+    }
+)
+
+
+class Strict(BaseModel):
+    """Base of every policy object: no unknown keys, no type coercion, immutable."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+# --- GPU models -----------------------------------------------------------------------------------
+
+
+class MIGConfig(Strict):
+    strategy: Literal["mixed", "single"] = Field(
+        "mixed",
+        description="How the NVIDIA device plugin exposes MIG slices: `mixed` (one resource per profile, "
+        "`nvidia.com/mig-1g.18gb`) or `single` (`nvidia.com/gpu` on nodes labelled with the profile).",
+    )
+    profiles: list[str] = Field(description="The MIG profiles configured on these cards, e.g. `1g.18gb`.")
+    slices: int | None = Field(
+        None, ge=1, description="Compute slices of a whole card; default 7 (4 for the A30)."
+    )
+
+
+class TimesliceConfig(Strict):
+    replicas: int = Field(ge=2, le=64, description="How many time-sliced replicas each card is advertised as.")
+
+
+class GPUModel(Strict):
+    vendor: Vendor = Field(description="Who makes the card; selects HAMi's resource names for that vendor.")
+    memory_gib: int = Field(gt=0, description="Device memory of one card in GiB.")
+    product: str | None = Field(
+        None,
+        description="The node label value `nvidia.com/gpu.product` (GPU feature discovery) that selects "
+        "this model in a heterogeneous cluster, e.g. `NVIDIA-H200`. Default: `NVIDIA-<model>`.",
+    )
+    backends: list[Backend] = Field(min_length=1, description="Sharing backends offered for this model.")
+    mig: MIGConfig | None = Field(None, description="MIG set-up; required when `mig` is a backend.")
+    timeslice: TimesliceConfig | None = Field(None, description="Required when `timeslice` is a backend.")
+    tolerations: list[dict[str, str]] | None = Field(
+        None,
+        description="Tolerations user pods of this model need. Default for NVIDIA: tolerate the "
+        "`nvidia.com/gpu` NoSchedule taint; none for other vendors.",
+    )
+
+    @model_validator(mode="after")
+    def _backend_settings(self) -> GPUModel:
+        if len(set(self.backends)) != len(self.backends):
+            raise ValueError("backends are listed more than once")
+        if "mig" in self.backends and self.mig is None:
+            raise ValueError("backend `mig` needs a `mig:` section listing the MIG profiles")
+        if "timeslice" in self.backends and self.timeslice is None:
+            raise ValueError("backend `timeslice` needs a `timeslice:` section with `replicas`")
+        if {"mig", "volcano-vgpu", "timeslice"} & set(self.backends) and self.vendor != "nvidia":
+            raise ValueError("backends mig, volcano-vgpu and timeslice exist for NVIDIA cards only; use hami")
+        return self
+
+
+class DeclaredGPU(Strict):
+    """Cards a machine without NVML has (laptops, CI) or that the operator wants to pin."""
+
+    model: str = Field(description="A model from `models`.")
+    count: int = Field(ge=1, le=1024, description="How many such cards.")
+    uuids: list[str] | None = Field(None, description="Optional card UUIDs, one per card.")
+
+    @model_validator(mode="after")
+    def _uuid_count(self) -> DeclaredGPU:
+        if self.uuids is not None and len(self.uuids) != self.count:
+            raise ValueError(f"{len(self.uuids)} uuids given for count {self.count}")
+        return self
+
+
+# --- profiles ---------------------------------------------------------------------------------------
+
+
+class GPURequest(Strict):
+    """What GPU a profile holds: a share of one card, a MIG slice, or whole cards."""
+
+    model: str = Field(description="A model from `models`.")
+    share: Share | None = Field(None, description='A fraction of one card: 0.25, 0.5, "1/3".')
+    mig: str | None = Field(None, description="A MIG profile of the model, e.g. `1g.18gb`.")
+    count: int | None = Field(None, ge=1, le=64, description="Whole cards.")
+    backend: Backend | None = Field(
+        None,
+        description="How the share is delivered; may be left out when the model offers only one fitting "
+        "backend (`count` → `whole`, `mig` → `mig`).",
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> GPURequest:
+        given = [name for name in ("share", "mig", "count") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of share, mig, count (got {', '.join(given) or 'none'})")
+        if self.share is not None and self.share >= 1:
+            raise ValueError("share must be below 1; ask for whole cards with `count`")
+        if self.mig is not None and not MIG_PROFILE.fullmatch(self.mig):
+            raise ValueError(f"{self.mig!r} is not a MIG profile name (accepted: e.g. 1g.18gb)")
+        return self
+
+
+    def backend_for(self, model: GPUModel) -> str:
+        """The backend that delivers this request on `model`; ValueError saying why none does."""
+        if self.mig is not None:
+            wanted = ["mig"]
+        elif self.count is not None:
+            wanted = ["whole", "hami"]
+        else:
+            wanted = list(FRACTIONAL_BACKENDS)
+        if self.backend is not None:
+            if self.backend not in wanted:
+                raise ValueError(
+                    f"backend {self.backend!r} cannot deliver this request (accepted: {', '.join(wanted)})"
+                )
+            if self.backend not in model.backends:
+                raise ValueError(
+                    f"backend {self.backend!r} is not offered for {self.model} "
+                    f"(offered: {', '.join(model.backends)})"
+                )
+            return self.backend
+        offered = [b for b in wanted if b in model.backends]
+        if not offered:
+            raise ValueError(
+                f"{self.model} offers no backend for this request: it needs one of {', '.join(wanted)}, "
+                f"the model offers {', '.join(model.backends)}"
+            )
+        if self.count is not None:
+            return offered[0]
+        if len(offered) > 1:
+            raise ValueError(f"several backends fit ({', '.join(offered)}); choose one with `backend:`")
+        return offered[0]
+
+
+class Image(Strict):
+    display_name: str
+    image: str = Field(description="Container image (kubernetes mode); ignored by the embedded mode.")
+    default: bool = False
+
+
+class Resources(Strict):
+    guarantee: Quantity | None = None
+    limit: Quantity | None = None
+
+    @model_validator(mode="after")
+    def _order(self) -> Resources:
+        if self.guarantee is not None and self.limit is not None:
+            if parse_quantity(self.guarantee) > parse_quantity(self.limit):
+                raise ValueError(f"guarantee {self.guarantee} exceeds limit {self.limit}")
+        return self
+
+
+class Profile(Strict):
+    display_name: str = Field(min_length=1, description="What users see, e.g. `0.25 × H200`.")
+    description: str = ""
+    gpu: GPURequest | None = Field(None, description="Leave out for a CPU-only profile.")
+    cpu: Resources = Resources()
+    memory: Resources = Resources()
+    images: dict[str, Image] = Field(default_factory=dict, description="Image choices, by slug.")
+    teams: list[str] = Field(min_length=1, description="Teams whose members may pick this profile.")
+    preemptible: bool = Field(False, description="Work under this profile may be preempted by Volcano.")
+    default: bool = False
+
+
+# --- teams ---------------------------------------------------------------------------------------------
+
+
+class QueueSettings(Strict):
+    """The team's Volcano queue (`scheduling.volcano.sh/v1beta1` Queue)."""
+
+    weight: int = Field(1, ge=1, le=65535)
+    capability: ResourceList | None = None
+    deserved: ResourceList | None = None
+    guarantee: ResourceList | None = None
+    reclaimable: bool = True
+    parent: str | None = Field(None, description="Another team whose queue is this queue's parent.")
+    timeout_seconds: int | None = Field(
+        None, ge=1, description="How long a request may wait in the queue; default from `settings`."
+    )
+
+    @field_validator("capability", "deserved", "guarantee")
+    @classmethod
+    def _resource_names(cls, value: ResourceList | None) -> ResourceList | None:
+        for name in value or {}:
+            if not RESOURCE_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not a Kubernetes resource name (e.g. cpu, nvidia.com/gpu)")
+        return value
+
+
+class Quota(Strict):
+    """Concurrent quota, in cards (shares held at the same time). Beyond it requests wait."""
+
+    gpus: Share | None = Field(None, description="Shares the team may hold at once, all models.")
+    per_user_gpus: Share | None = Field(None, description="Shares one member may hold at once.")
+    per_model: dict[str, Share] = Field(default_factory=dict, description="Shares at once, per model.")
+
+
+class Budget(Strict):
+    """Period budget in GPU-hours. Beyond it, `on_exhausted` applies."""
+
+    gpu_hours: NonNegativeDecimal | None = Field(None, description="GPU-hours per period, all models.")
+    per_model: dict[str, NonNegativeDecimal] = Field(default_factory=dict)
+    on_exhausted: Literal["alert", "deprioritize", "deny"] = "alert"
+    alert_thresholds: list[NonNegativeDecimal] = Field(
+        default_factory=lambda: [Decimal("0.8"), Decimal("1.0")],
+        description="Fractions of the budget at which an alert is sent, once per period each.",
+    )
+
+    @field_validator("alert_thresholds")
+    @classmethod
+    def _thresholds(cls, value: list[Decimal]) -> list[Decimal]:
+        if any(t <= 0 or t > 10 for t in value):
+            raise ValueError("alert thresholds are fractions of the budget, above 0 and at most 10")
+        if value != sorted(set(value)):
+            raise ValueError("alert thresholds must be increasing and distinct")
+        return value
+
+
+class Team(Strict):
+    display_name: str | None = None
+    group_source: Literal["policy", "authenticator"] = Field(
+        "policy",
+        description="`policy`: members are listed here; `authenticator`: members come from the login "
+        "provider's groups claim (OAuthenticator `manage_groups`).",
+    )
+    members: list[str] = Field(default_factory=list)
+    leads: list[str] = Field(default_factory=list, description="See their team's usage and bills.")
+    reviewers: list[str] = Field(
+        default_factory=list, description="May move the team's models to `production` in MLflow."
+    )
+    priority: int = Field(0, ge=0, le=1_000_000, description="Higher first, in the queue and in Volcano.")
+    queue: QueueSettings = QueueSettings()
+    quota: Quota = Quota()
+    budget: Budget = Budget()
+
+    @model_validator(mode="after")
+    def _membership(self) -> Team:
+        if self.group_source == "authenticator" and self.members:
+            raise ValueError("members come from the authenticator (group_source); leave `members` out")
+        return self
+
+
+# --- billing and settings -----------------------------------------------------------------------------
+
+
+class Billing(Strict):
+    currency: str = Field("EUR", pattern=r"[A-Z]{3}", description="ISO 4217 code.")
+    period: Literal["month"] = Field("month", description="Budgets and bills run per calendar month, UTC.")
+    prices: dict[str, NonNegativeDecimal] = Field(
+        default_factory=dict, description="Price of one GPU-hour of each model."
+    )
+
+
+class Settings(Strict):
+    queue_timeout_seconds: int = Field(
+        3600, ge=1, description="Default for how long a request waits in its team's queue."
+    )
+    mps: Literal["auto", "off"] = Field(
+        "auto", description="Embedded mode: enforce shares with the NVIDIA MPS daemon when it runs."
+    )
+
+
+class Policy(Strict):
+    """Everything in a policy directory, merged."""
+
+    models: dict[str, GPUModel] = Field(default_factory=dict)
+    inventory: list[DeclaredGPU] = Field(default_factory=list)
+    profiles: dict[str, Profile] = Field(default_factory=dict)
+    teams: dict[str, Team] = Field(default_factory=dict)
+    billing: Billing = Billing()
+    settings: Settings = Settings()
+
+    # ---- conveniences the rest of gpupool uses ----
+
+    def profiles_for_teams(self, teams: set[str] | frozenset[str]) -> dict[str, Profile]:
+        """Profiles any of `teams` may pick, in policy order."""
+        return {slug: p for slug, p in self.profiles.items() if set(p.teams) & set(teams)}
+
+    def teams_of(self, user: str) -> list[str]:
+        """Teams whose policy member list names `user` (authenticator-managed teams are not known here)."""
+        return [name for name, team in self.teams.items() if user in team.members]
+
+    def queue_timeout(self, team: str) -> int:
+        return self.teams[team].queue.timeout_seconds or self.settings.queue_timeout_seconds
+
+    def summary(self) -> str:
+        return f"{len(self.models)} GPU models, {len(self.profiles)} profiles, {len(self.teams)} teams"
+
+
+def mig_slices(model_name: str, model: GPUModel) -> int:
+    if model.mig is not None and model.mig.slices is not None:
+        return model.mig.slices
+    return MIG_SLICES.get(model_name, DEFAULT_MIG_SLICES)
+
+
+def product_label(model_name: str, model: GPUModel) -> str:
+    return model.product or f"NVIDIA-{model_name}"

@@ -1,0 +1,128 @@
+"""Checks that span sections of a policy: names that must exist, queue hierarchies, MIG profiles, prices.
+
+Each problem is returned with the path of the offending key so that the loader can name file and line.
+"""
+
+from __future__ import annotations
+
+from gpupool.policies.model import DNS_LABEL, KNOWN_MIG_PROFILES, RESERVED_TEAM_NAMES, Policy
+
+Path = tuple[str | int, ...]
+
+#: Unix group names (teams become groups in the embedded mode) are limited to 32 characters.
+MAX_TEAM_NAME = 32
+
+
+def check_references(policy: Policy) -> list[tuple[Path, str]]:
+    from gpupool.spawner.resources import gpu_resources  # the share translation decides what is deliverable
+
+    problems: list[tuple[Path, str]] = []
+    models = sorted(policy.models)
+    teams = sorted(policy.teams)
+
+    def unknown_model(path: Path, name: str) -> None:
+        if name not in policy.models:
+            problems.append((path, f"unknown GPU model {name!r} (known: {', '.join(models) or 'none'})"))
+
+    for name, model in policy.models.items():
+        known = KNOWN_MIG_PROFILES.get(name)
+        if model.mig is not None and known is not None:
+            for i, mig in enumerate(model.mig.profiles):
+                if mig not in known:
+                    problems.append(
+                        (("models", name, "mig", "profiles", i),
+                         f"{name} has no MIG profile {mig!r} (its profiles: {', '.join(known)})")
+                    )
+
+    seen_uuids: set[str] = set()
+    for i, declared in enumerate(policy.inventory):
+        unknown_model(("inventory", i, "model"), declared.model)
+        for j, uuid in enumerate(declared.uuids or []):
+            if uuid in seen_uuids:
+                problems.append((("inventory", i, "uuids", j), f"card UUID {uuid!r} is declared twice"))
+            seen_uuids.add(uuid)
+
+    for section in ("profiles", "teams"):
+        for name in getattr(policy, section):
+            if not DNS_LABEL.fullmatch(name) or len(name) > 63:
+                problems.append(
+                    ((section, name),
+                     f"{name!r} is not DNS-safe (accepted: lower-case letters, digits and '-', starting and "
+                     "ending with a letter or digit, at most 63 characters)")
+                )
+
+    defaults = [slug for slug, p in policy.profiles.items() if p.default]
+    if len(defaults) > 1:
+        problems.append((("profiles", defaults[1], "default"), f"several default profiles: {', '.join(defaults)}"))
+    for slug, profile in policy.profiles.items():
+        for i, team in enumerate(profile.teams):
+            if team not in policy.teams:
+                problems.append(
+                    (("profiles", slug, "teams", i), f"unknown team {team!r} (known: {', '.join(teams) or 'none'})")
+                )
+        if sum(image.default for image in profile.images.values()) > 1:
+            problems.append((("profiles", slug, "images"), "more than one image is marked default"))
+        if profile.gpu is None:
+            continue
+        if profile.gpu.model not in policy.models:
+            unknown_model(("profiles", slug, "gpu", "model"), profile.gpu.model)
+            continue
+        if policy.billing.prices and profile.gpu.model not in policy.billing.prices:
+            problems.append(
+                (("profiles", slug, "gpu", "model"),
+                 f"no price for {profile.gpu.model} in billing.prices (give one, 0 for free use)")
+            )
+        try:
+            gpu_resources(profile.gpu, policy.models[profile.gpu.model])
+        except ValueError as error:
+            key = "mig" if profile.gpu.mig is not None else "backend" if profile.gpu.backend else "share"
+            if profile.gpu.count is not None:
+                key = "count"
+            problems.append((("profiles", slug, "gpu", key), str(error)))
+
+    for name, team in policy.teams.items():
+        if name in RESERVED_TEAM_NAMES:
+            problems.append(
+                (("teams", name), f"team name {name!r} is reserved (reserved: {', '.join(sorted(RESERVED_TEAM_NAMES))})")
+            )
+        if len(name) > MAX_TEAM_NAME:
+            problems.append((("teams", name), f"team name {name!r} is longer than {MAX_TEAM_NAME} characters"))
+        for role in ("leads", "reviewers"):
+            for i, user in enumerate(getattr(team, role)):
+                if team.group_source == "policy" and user not in team.members:
+                    problems.append(((("teams", name, role, i)), f"{user!r} is not a member of team {name!r}"))
+        for model in team.quota.per_model:
+            unknown_model(("teams", name, "quota", "per_model", model), model)
+        for model in team.budget.per_model:
+            unknown_model(("teams", name, "budget", "per_model", model), model)
+        parent = team.queue.parent
+        if parent is not None and parent not in policy.teams:
+            problems.append(
+                (("teams", name, "queue", "parent"), f"unknown parent queue {parent!r} (teams: {', '.join(teams)})")
+            )
+
+    problems.extend(_queue_cycles(policy))
+
+    for model in policy.billing.prices:
+        unknown_model(("billing", "prices", model), model)
+    return problems
+
+
+def _queue_cycles(policy: Policy) -> list[tuple[Path, str]]:
+    problems: list[tuple[Path, str]] = []
+    reported: set[str] = set()
+    for start in policy.teams:
+        chain = [start]
+        current = policy.teams[start].queue.parent
+        while current is not None and current in policy.teams:
+            if current in chain:
+                cycle = chain[chain.index(current):] + [current]
+                if not reported & set(cycle):
+                    problems.append(
+                        (("teams", cycle[0], "queue", "parent"), "queue parents form a cycle: " + " → ".join(cycle))
+                    )
+                reported.update(cycle)
+                break
+            chain.append(current)
+            current = policy.teams[current].queue.parent
+    return problems
