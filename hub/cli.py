@@ -24,6 +24,13 @@ def _policy_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _policy_reference(args: argparse.Namespace) -> int:
+    from gpupool.policies.reference import policy_reference
+
+    print(policy_reference())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpupool", description="A shared, metered GPU pool behind JupyterHub.")
     parser.add_argument("--version", action="version", version=f"gpupool {__version__}")
@@ -34,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     check = policy_commands.add_parser("check", help="validate a policy directory")
     check.add_argument("directory", nargs="?", help="policy directory (default: the policies shipped with gpupool)")
     check.set_defaults(func=_policy_check)
+    reference = policy_commands.add_parser("reference", help="print the policy file reference (Markdown)")
+    reference.set_defaults(func=_policy_reference)
     return parser
 
 

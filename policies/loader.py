@@ -152,21 +152,32 @@ def _read_file(file: FilePath, display: str, source: _Source) -> dict[str, Any]:
     if size > MAX_FILE_BYTES:
         raise _FileProblem(None, (), f"file is {size} bytes (accepted: at most {MAX_FILE_BYTES})")
     raw = file.read_bytes()
+    if b"\x00" in raw:
+        at = raw.index(b"\x00")
+        line = raw.count(b"\n", 0, at)
+        raise _FileProblem(yaml.Mark(display, at, line, at - (raw.rfind(b"\n", 0, at) + 1), None, None), (),
+                           "binary data (a NUL byte) where a YAML text file was expected")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
-        line = raw[: error.start].count(b"\n")
+        line = raw.count(b"\n", 0, error.start)
         column = error.start - (raw.rfind(b"\n", 0, error.start) + 1)
-        raise _FileProblem(yaml.Mark(display, 0, line, column, None, None), (),
+        raise _FileProblem(yaml.Mark(display, error.start, line, column, None, None), (),
                            "not UTF-8 text (accepted: a YAML file in UTF-8)") from None
-    if "\x00" in text:
-        at = text.index("\x00")
-        raise _FileProblem(yaml.Mark(display, at, text.count("\n", 0, at), 0, None, None), (),
-                           "binary data (NUL byte) in a YAML file")
-    loader = yaml.SafeLoader(text)
+    def unprintable(error: yaml.reader.ReaderError) -> _FileProblem:
+        at = error.position
+        mark = yaml.Mark(display, at, text.count("\n", 0, at), at - (text.rfind("\n", 0, at) + 1), None, None)
+        return _FileProblem(mark, (), f"character #x{error.character:04x} is not allowed in YAML (binary data?)")
+
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.reader.ReaderError as error:
+        raise unprintable(error) from None
     try:
         try:
             node = loader.get_single_node()
+        except yaml.reader.ReaderError as error:
+            raise unprintable(error) from None
         except yaml.MarkedYAMLError as error:
             raise _FileProblem(error.problem_mark, (), f"not valid YAML: {error.problem or error}") from None
         except yaml.YAMLError as error:

@@ -120,6 +120,8 @@ class Strict(BaseModel):
 
 
 class MIGConfig(Strict):
+    """How MIG slices of this model are configured and exposed."""
+
     strategy: Literal["mixed", "single"] = Field(
         "mixed",
         description="How the NVIDIA device plugin exposes MIG slices: `mixed` (one resource per profile, "
@@ -132,10 +134,14 @@ class MIGConfig(Strict):
 
 
 class TimesliceConfig(Strict):
+    """NVIDIA device plugin time-slicing (no memory isolation between replicas)."""
+
     replicas: int = Field(ge=2, le=64, description="How many time-sliced replicas each card is advertised as.")
 
 
 class GPUModel(Strict):
+    """A kind of card and how the pool may share it."""
+
     vendor: Vendor = Field(description="Who makes the card; selects HAMi's resource names for that vendor.")
     memory_gib: int = Field(gt=0, description="Device memory of one card in GiB.")
     product: str | None = Field(
@@ -240,14 +246,18 @@ class GPURequest(Strict):
 
 
 class Image(Strict):
-    display_name: str
+    """One image choice of a profile."""
+
+    display_name: str = Field(description="What users see.")
     image: str = Field(description="Container image (kubernetes mode); ignored by the embedded mode.")
-    default: bool = False
+    default: bool = Field(False, description="Preselected (at most one per profile).")
 
 
 class Resources(Strict):
-    guarantee: Quantity | None = None
-    limit: Quantity | None = None
+    """A request (`guarantee`) and a limit, as Kubernetes quantities."""
+
+    guarantee: Quantity | None = Field(None, description="Reserved for the server (Kubernetes request).")
+    limit: Quantity | None = Field(None, description="Hard limit.")
 
     @model_validator(mode="after")
     def _order(self) -> Resources:
@@ -258,15 +268,17 @@ class Resources(Strict):
 
 
 class Profile(Strict):
+    """A choice on the spawn page."""
+
     display_name: str = Field(min_length=1, description="What users see, e.g. `0.25 × H200`.")
-    description: str = ""
+    description: str = Field("", description="Shown under the name on the spawn page.")
     gpu: GPURequest | None = Field(None, description="Leave out for a CPU-only profile.")
-    cpu: Resources = Resources()
-    memory: Resources = Resources()
+    cpu: Resources = Field(Resources(), description="CPU cores: `guarantee` (request) and `limit`.")
+    memory: Resources = Field(Resources(), description="Memory in bytes (`8Gi`): `guarantee` and `limit`.")
     images: dict[str, Image] = Field(default_factory=dict, description="Image choices, by slug.")
     teams: list[str] = Field(min_length=1, description="Teams whose members may pick this profile.")
     preemptible: bool = Field(False, description="Work under this profile may be preempted by Volcano.")
-    default: bool = False
+    default: bool = Field(False, description="Preselected on the spawn page (at most one profile).")
 
 
 # --- teams ---------------------------------------------------------------------------------------------
@@ -275,11 +287,13 @@ class Profile(Strict):
 class QueueSettings(Strict):
     """The team's Volcano queue (`scheduling.volcano.sh/v1beta1` Queue)."""
 
-    weight: int = Field(1, ge=1, le=65535)
-    capability: ResourceList | None = None
-    deserved: ResourceList | None = None
-    guarantee: ResourceList | None = None
-    reclaimable: bool = True
+    weight: int = Field(1, ge=1, le=65535, description="Share of spare capacity relative to other queues.")
+    capability: ResourceList | None = Field(None, description="Upper bound of the queue, by resource name.")
+    deserved: ResourceList | None = Field(
+        None, description="What the queue deserves; above it its pods may be reclaimed."
+    )
+    guarantee: ResourceList | None = Field(None, description="Reserved for this queue whatever others do.")
+    reclaimable: bool = Field(True, description="Whether other queues may reclaim this queue's excess.")
     parent: str | None = Field(None, description="Another team whose queue is this queue's parent.")
     timeout_seconds: int | None = Field(
         None, ge=1, description="How long a request may wait in the queue; default from `settings`."
@@ -306,8 +320,12 @@ class Budget(Strict):
     """Period budget in GPU-hours. Beyond it, `on_exhausted` applies."""
 
     gpu_hours: NonNegativeDecimal | None = Field(None, description="GPU-hours per period, all models.")
-    per_model: dict[str, NonNegativeDecimal] = Field(default_factory=dict)
-    on_exhausted: Literal["alert", "deprioritize", "deny"] = "alert"
+    per_model: dict[str, NonNegativeDecimal] = Field(default_factory=dict, description="GPU-hours per period, per model.")
+    on_exhausted: Literal["alert", "deprioritize", "deny"] = Field(
+        "alert",
+        description="Beyond 100%: `alert` admits and notifies, `deprioritize` admits as lowest-priority "
+        "preemptible work, `deny` refuses saying budget, usage and when it resets.",
+    )
     alert_thresholds: list[NonNegativeDecimal] = Field(
         default_factory=lambda: [Decimal("0.8"), Decimal("1.0")],
         description="Fractions of the budget at which an alert is sent, once per period each.",
@@ -324,21 +342,23 @@ class Budget(Strict):
 
 
 class Team(Strict):
-    display_name: str | None = None
+    """A tenant: a JupyterHub group with a Volcano queue, a concurrent quota and a period budget."""
+
+    display_name: str | None = Field(None, description="Shown on the hub pages.")
     group_source: Literal["policy", "authenticator"] = Field(
         "policy",
         description="`policy`: members are listed here; `authenticator`: members come from the login "
         "provider's groups claim (OAuthenticator `manage_groups`).",
     )
-    members: list[str] = Field(default_factory=list)
+    members: list[str] = Field(default_factory=list, description="Hub user names (with `group_source: policy`).")
     leads: list[str] = Field(default_factory=list, description="See their team's usage and bills.")
     reviewers: list[str] = Field(
         default_factory=list, description="May move the team's models to `production` in MLflow."
     )
     priority: int = Field(0, ge=0, le=1_000_000, description="Higher first, in the queue and in Volcano.")
-    queue: QueueSettings = QueueSettings()
-    quota: Quota = Quota()
-    budget: Budget = Budget()
+    queue: QueueSettings = Field(QueueSettings(), description="The team's Volcano queue.")
+    quota: Quota = Field(Quota(), description="Concurrent quota: beyond it requests wait.")
+    budget: Budget = Field(Budget(), description="Period budget: beyond it `on_exhausted` applies.")
 
     @model_validator(mode="after")
     def _membership(self) -> Team:
@@ -351,6 +371,8 @@ class Team(Strict):
 
 
 class Billing(Strict):
+    """Prices per GPU-hour; bills are per team and calendar month."""
+
     currency: str = Field("EUR", pattern=r"[A-Z]{3}", description="ISO 4217 code.")
     period: Literal["month"] = Field("month", description="Budgets and bills run per calendar month, UTC.")
     prices: dict[str, NonNegativeDecimal] = Field(
@@ -359,6 +381,8 @@ class Billing(Strict):
 
 
 class Settings(Strict):
+    """Pool-wide settings."""
+
     queue_timeout_seconds: int = Field(
         3600, ge=1, description="Default for how long a request waits in its team's queue."
     )
@@ -370,12 +394,14 @@ class Settings(Strict):
 class Policy(Strict):
     """Everything in a policy directory, merged."""
 
-    models: dict[str, GPUModel] = Field(default_factory=dict)
-    inventory: list[DeclaredGPU] = Field(default_factory=list)
-    profiles: dict[str, Profile] = Field(default_factory=dict)
-    teams: dict[str, Team] = Field(default_factory=dict)
-    billing: Billing = Billing()
-    settings: Settings = Settings()
+    models: dict[str, GPUModel] = Field(default_factory=dict, description="GPU models, by name (`H200`).")
+    inventory: list[DeclaredGPU] = Field(
+        default_factory=list, description="Cards of the embedded pool when NVML finds none (laptops, CI)."
+    )
+    profiles: dict[str, Profile] = Field(default_factory=dict, description="What users pick, by DNS-safe slug.")
+    teams: dict[str, Team] = Field(default_factory=dict, description="Teams, by DNS-safe name (≤ 32 chars).")
+    billing: Billing = Field(Billing(), description="Currency, period and prices.")
+    settings: Settings = Field(Settings(), description="Pool-wide settings.")
 
     # ---- conveniences the rest of gpupool uses ----
 

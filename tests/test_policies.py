@@ -1,0 +1,179 @@
+"""The policy loader: the shipped policy sets load, and broken files are refused with file:line and a reason."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from decimal import Decimal
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpupool.hub.cli import main
+from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR, PolicyError, load_policy
+from gpupool.policies.loader import load_policy_files
+
+LOCATION = re.compile(r"^(?P<file>[^:\n]+\.yaml):(?P<line>\d+):(?P<column>\d+): ", re.M)
+
+
+def test_default_policy_set():
+    policy = load_policy(DEFAULT_POLICY_DIR)
+    assert set(policy.teams) == {"vision", "nlp"}
+    assert {p.display_name for p in policy.profiles.values()} == {
+        "CPU only", "0.25 × H200", "0.5 × H200", "MIG 1g.18gb", "1 × H200",
+    }
+    assert [(d.model, d.count) for d in policy.inventory] == [("H200", 2)]
+    assert policy.billing.prices == {"H200": Decimal("3.20")}
+    assert policy.profiles["h200-quarter"].gpu.share == Fraction(1, 4)
+    assert set(policy.profiles_for_teams({"nlp"})) == {"cpu", "h200-quarter", "h200-mig-1g"}
+
+
+def test_example_policy_set_is_heterogeneous():
+    policy = load_policy(EXAMPLES_DIR)
+    assert {m.vendor for m in policy.models.values()} == {"nvidia", "hygon"}
+    backends = {b for m in policy.models.values() for b in m.backends}
+    assert backends == {"hami", "volcano-vgpu", "mig", "timeslice", "whole"}
+    assert policy.teams["vision"].queue.parent == "research"
+
+
+@pytest.mark.parametrize("directory", [DEFAULT_POLICY_DIR, EXAMPLES_DIR])
+def test_cli_check_ok(directory, capsys):
+    assert main(["policy", "check", str(directory)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("OK ") and "GPU models" in out and "profiles" in out and "teams" in out
+
+
+def test_console_script_is_installed():
+    result = subprocess.run(
+        [Path(sys.executable).parent / "gpupool", "policy", "check", str(DEFAULT_POLICY_DIR)],
+        capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("OK ")
+
+
+# Each case: (file to write or patch, content or (old, new) replacement, expected words in the message).
+TEAMS = "teams.yaml"
+PROFILES = "profiles.yaml"
+GPUS = "gpus.yaml"
+BILLING = "billing.yaml"
+
+BROKEN = {
+    "duplicate key": (TEAMS, ("    priority: 100\n", "    priority: 100\n    priority: 5\n"), "duplicate key 'priority'"),
+    "anchor bomb": ("bomb.yaml", "\n".join(
+        ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+        + [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 9)]
+        + ["teams: *a8"]
+    ), "alias bomb"),
+    "python tag": ("evil.yaml", "settings: !!python/object/apply:os.system ['echo pwned']\n", "tag !!python/object"),
+    "infinity": (TEAMS, ("gpu_hours: 500", "gpu_hours: .inf"), "not a finite number"),
+    "nan": (TEAMS, ("gpu_hours: 500", "gpu_hours: .nan"), "not a finite number"),
+    "negative budget": (TEAMS, ("gpu_hours: 500", "gpu_hours: -500"), "negative number"),
+    "string for a number": (TEAMS, ("priority: 100", 'priority: "10h"'), "valid integer (got '10h')"),
+    "budget as text": (TEAMS, ("gpu_hours: 500", "gpu_hours: 10h"), "not a decimal number"),
+    "unknown key": (TEAMS, ("    priority: 100\n", "    priority: 100\n    colour: blue\n"),
+                    "unknown key 'colour' (accepted: display_name"),
+    "unknown model": (PROFILES, ("gpu: {model: H200, share: 0.5}", "gpu: {model: H300, share: 0.5}"),
+                      "unknown GPU model 'H300' (known: H200)"),
+    "MIG profile the model lacks": (PROFILES, ("mig: 1g.18gb", "mig: 1g.10gb"),
+                                    "MIG profile 1g.10gb is not configured for H200"),
+    "MIG profile that does not exist for the model": (GPUS, ("[1g.18gb, 2g.35gb", "[1g.18gb, 2g.20gb"),
+                                                      "H200 has no MIG profile '2g.20gb'"),
+    "queue cycle": (TEAMS, [("      weight: 2\n", "      weight: 2\n      parent: nlp\n"),
+                            ("      weight: 1\n", "      weight: 1\n      parent: vision\n")],
+                    "queue parents form a cycle: vision → nlp → vision"),
+    "reserved team name": (TEAMS, ("  nlp:\n", "  kube-system:\n"), "reserved"),
+    "non-DNS team name": (TEAMS, ("  nlp:\n", "  NLP_team:\n"), "not DNS-safe"),
+    "negative price": (BILLING, ('H200: "3.20"', 'H200: "-3.20"'), "must not be negative"),
+    "empty file": ("empty.yaml", "# nothing here\n", "file is empty"),
+    "binary garbage": ("garbage.yaml", bytes(range(256)) * 4, "binary data"),
+    "not UTF-8": ("latin1.yaml", "teams:\n  caf\xe9: {}\n".encode("latin-1"), "not UTF-8"),
+    "share no backend can deliver": (PROFILES, ("share: 0.25", 'share: "1/3"'), "whole percents"),
+    "share of a whole card": (PROFILES, ("share: 0.5", "share: 1.5"), "share must be below 1"),
+    "profile for an unknown team": (PROFILES, ("teams: [vision]\n\n  h200-mig", "teams: [robotics]\n\n  h200-mig"),
+                                    "unknown team 'robotics'"),
+    "enum value": (TEAMS, ("on_exhausted: alert", "on_exhausted: ignore"), "'alert', 'deprioritize' or 'deny'"),
+    "team defined twice": ("more-teams.yaml", "teams:\n  nlp:\n    priority: 1\n", "defined twice"),
+    "invalid YAML": ("broken.yaml", "teams:\n  vision: [unclosed\n", "not valid YAML"),
+    "merge key": ("merge.yaml", "x: &x {priority: 1}\nteams:\n  robotics:\n    <<: *x\n", "merge keys"),
+}
+
+
+def _broken_directory(tmp_path: Path, name: str) -> Path:
+    directory = tmp_path / "policies"
+    directory.mkdir()
+    for file in DEFAULT_POLICY_DIR.glob("*.yaml"):
+        shutil.copy(file, directory)
+    target, change, _ = BROKEN[name]
+    path = directory / target
+    if isinstance(change, (tuple, list)):
+        text = path.read_text()
+        for old, new in [change] if isinstance(change, tuple) else change:
+            assert old in text, f"test case {name!r} does not apply"
+            text = text.replace(old, new, 1)
+        path.write_text(text)
+    elif isinstance(change, bytes):
+        path.write_bytes(change)
+    else:
+        path.write_text(change)
+    return directory
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_broken_policy_is_refused_with_file_and_line(name, tmp_path, capsys):
+    directory = _broken_directory(tmp_path, name)
+    expected = BROKEN[name][2]
+    with pytest.raises(PolicyError) as raised:
+        load_policy(directory)
+    assert expected in str(raised.value)
+
+    assert main(["policy", "check", str(directory)]) != 0
+    err = capsys.readouterr().err
+    located = LOCATION.findall(err)
+    assert located, err
+    assert all(Path(file).parent == directory for file, _, _ in located)
+    assert any(expected in line for line in err.splitlines() if LOCATION.match(line)), err
+
+
+def test_error_points_at_the_offending_line(tmp_path):
+    directory = _broken_directory(tmp_path, "string for a number")
+    with pytest.raises(PolicyError) as raised:
+        load_policy(directory)
+    (problem,) = raised.value.problems
+    text = (directory / TEAMS).read_text().splitlines()
+    assert problem.file.endswith(TEAMS)
+    assert text[problem.line - 1].strip() == 'priority: "10h"'
+    assert problem.path == ("teams", "vision", "priority")
+
+
+def test_unknown_key_points_at_the_key(tmp_path):
+    directory = _broken_directory(tmp_path, "unknown key")
+    with pytest.raises(PolicyError) as raised:
+        load_policy(directory)
+    (problem,) = raised.value.problems
+    line = (directory / TEAMS).read_text().splitlines()[problem.line - 1]
+    assert line[problem.column - 1:].startswith("colour:")
+
+
+def test_missing_directory_and_empty_directory(tmp_path):
+    with pytest.raises(PolicyError, match="not a directory"):
+        load_policy(tmp_path / "nope")
+    with pytest.raises(PolicyError, match="no \\*.yaml policy files"):
+        load_policy(tmp_path)
+
+
+@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None)
+@given(st.one_of(st.binary(max_size=300), st.text(max_size=300).map(str.encode)))
+def test_any_bytes_either_load_or_give_located_problems(tmp_path_factory, data):
+    path = tmp_path_factory.mktemp("fuzz") / "policy.yaml"
+    path.write_bytes(data)
+    try:
+        load_policy_files([path])
+    except PolicyError as error:
+        assert error.problems
+        assert all(p.file == str(path) and p.line >= 1 and p.column >= 1 for p in error.problems)
