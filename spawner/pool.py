@@ -1,0 +1,481 @@
+"""The embedded GPU pool: cards, a persistent allocator that never over-commits a card, and the wait queue.
+
+Nothing here knows about JupyterHub: the local spawner (and later training jobs) ask the pool for a share
+with `acquire()`, which waits in the team's queue until the share fits and the admission decision says
+`admit`, and give it back with `release()`. Allocations live in SQLite, written in `BEGIN IMMEDIATE`
+transactions, so a hub restart keeps the allocations of running servers and two writers can never place
+more than a card holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
+from pathlib import Path
+from typing import Literal
+
+import psutil
+import sqlalchemy as sa
+
+from gpupool.policies.model import Policy
+
+log = logging.getLogger("gpupool.pool")
+
+
+# --- cards ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Card:
+    uuid: str
+    model: str
+    index: int
+    memory_gib: int
+
+
+def declared_cards(policy: Policy) -> list[Card]:
+    """The cards of the policy's `inventory`, with stable made-up UUIDs when none are declared."""
+    cards: list[Card] = []
+    for declared in policy.inventory:
+        memory = policy.models[declared.model].memory_gib
+        for i in range(declared.count):
+            uuid = declared.uuids[i] if declared.uuids else f"GPU-declared-{declared.model}-{i}"
+            cards.append(Card(uuid, declared.model, len(cards), memory))
+    return cards
+
+
+def nvml_cards(policy: Policy) -> list[Card] | None:
+    """The cards NVML reports, matched to policy models by name; None when there is no NVIDIA driver."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        cards = []
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            name = pynvml.nvmlDeviceGetName(handle)
+            name = name.decode() if isinstance(name, bytes) else name
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+            memory_gib = pynvml.nvmlDeviceGetMemoryInfo(handle).total // 2**30
+            model = match_model(name, policy)
+            if model is None:
+                log.warning("GPU %d (%s) matches no model in the policy; it is not part of the pool", index, name)
+                continue
+            cards.append(Card(uuid, model, index, int(memory_gib)))
+        return cards
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def match_model(nvml_name: str, policy: Policy) -> str | None:
+    """The policy model an NVML device name such as `NVIDIA H200` or `NVIDIA A100-SXM4-80GB` stands for."""
+    normalized = nvml_name.replace(" ", "-").upper()
+    for name, model in policy.models.items():
+        if model.product and model.product.upper() == normalized:
+            return name
+    for name in sorted(policy.models, key=len, reverse=True):
+        parts = name.upper().split("-")
+        if all(part in normalized for part in parts):
+            return name
+    return None
+
+
+def discover_cards(policy: Policy) -> list[Card]:
+    found = nvml_cards(policy)
+    if found:
+        return found
+    return declared_cards(policy)
+
+
+# --- placement (pure) -------------------------------------------------------------------------------
+
+
+def place(cards: Iterable[Card], used: dict[str, Fraction], model: str, share: Fraction) -> tuple[str, ...] | None:
+    """Cards for `share` of `model`: best fit for a fraction, free cards for whole ones; None if it does not fit.
+
+    Best fit (the fullest card that still has room) keeps whole cards free for whole-card requests.
+    """
+    candidates = [c for c in cards if c.model == model]
+    if share < 1:
+        fitting = [c for c in candidates if 1 - used.get(c.uuid, Fraction(0)) >= share]
+        if not fitting:
+            return None
+        best = min(fitting, key=lambda c: (1 - used.get(c.uuid, Fraction(0)), c.index))
+        return (best.uuid,)
+    if share.denominator != 1:
+        raise ValueError(f"a share above one card must be whole cards, not {share}")
+    free = [c for c in candidates if used.get(c.uuid, Fraction(0)) == 0]
+    if len(free) < share:
+        return None
+    return tuple(c.uuid for c in sorted(free, key=lambda c: c.index)[: int(share)])
+
+
+# --- the persistent allocation store ---------------------------------------------------------------
+
+metadata = sa.MetaData()
+allocations_table = sa.Table(
+    "allocations",
+    metadata,
+    sa.Column("key", sa.String, primary_key=True),  # "user/server"
+    sa.Column("card", sa.String, primary_key=True),
+    sa.Column("user", sa.String, nullable=False),
+    sa.Column("team", sa.String, nullable=False),
+    sa.Column("profile", sa.String, nullable=False),
+    sa.Column("model", sa.String, nullable=False),
+    sa.Column("share_num", sa.Integer, nullable=False),  # share of this card, exactly
+    sa.Column("share_den", sa.Integer, nullable=False),
+    sa.Column("state", sa.String, nullable=False),  # reserved | running
+    sa.Column("owner", sa.String, nullable=False),  # the pool instance that reserved it
+    sa.Column("pid", sa.Integer),
+    sa.Column("pid_started", sa.Float),  # process start time, so a reused PID is not taken for the server
+    sa.Column("created", sa.Float, nullable=False),
+)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    key: str
+    user: str
+    team: str
+    profile: str
+    model: str
+    share: Fraction
+    cards: tuple[str, ...]
+    state: str = "reserved"
+    pid: int | None = None
+    pid_started: float | None = None
+
+
+def process_alive(pid: int | None, started: float | None) -> bool:
+    """Whether `pid` is still the process that was started at `started` (not a reused PID)."""
+    if pid is None:
+        return False
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return started is None or abs(process.create_time() - started) < 0.01
+    except psutil.Error:
+        return False
+
+
+def process_start_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+class AllocationStore:
+    """Allocations in SQLite; every placement is decided and written inside one `BEGIN IMMEDIATE`."""
+
+    def __init__(self, path: str | Path, owner: str | None = None):
+        self.engine = sa.create_engine(f"sqlite:///{path}", connect_args={"timeout": 30})
+        self.owner = owner or f"{os.getpid()}-{time.time_ns()}"
+
+        @sa.event.listens_for(self.engine, "connect")
+        def _pragmas(connection, _record):  # pragma: no cover - exercised by every test
+            connection.isolation_level = None  # we issue BEGIN ourselves
+            connection.execute("PRAGMA journal_mode=WAL")
+
+        @sa.event.listens_for(self.engine, "begin")
+        def _begin(connection):
+            connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+        metadata.create_all(self.engine)
+
+    def all(self) -> list[Allocation]:
+        with self.engine.begin() as db:
+            rows = db.execute(sa.select(allocations_table).order_by(allocations_table.c.created)).all()
+        return _group(rows)
+
+    def used(self) -> dict[str, Fraction]:
+        used: dict[str, Fraction] = {}
+        for a in self.all():
+            for card in a.cards:
+                used[card] = used.get(card, Fraction(0)) + (a.share if a.share < 1 else 1)
+        return used
+
+    def reserve(self, request: Request, cards: list[Card]) -> Allocation | None:
+        """Place and record `request` atomically; None when it does not fit (nothing written)."""
+        with self.engine.begin() as db:
+            rows = db.execute(sa.select(allocations_table)).all()
+            if any(row.key == request.key for row in rows):
+                raise ValueError(f"{request.key} already holds an allocation")
+            used: dict[str, Fraction] = {}
+            for row in rows:
+                used[row.card] = used.get(row.card, Fraction(0)) + Fraction(row.share_num, row.share_den)
+            chosen = place(cards, used, request.model, request.share)
+            if chosen is None:
+                return None
+            per_card = request.share if request.share < 1 else Fraction(1)
+            now = time.time()
+            db.execute(
+                allocations_table.insert(),
+                [
+                    {
+                        "key": request.key, "card": uuid, "user": request.user, "team": request.team,
+                        "profile": request.profile, "model": request.model,
+                        "share_num": per_card.numerator, "share_den": per_card.denominator,
+                        "state": "reserved", "owner": self.owner, "created": now,
+                    }
+                    for uuid in chosen
+                ],
+            )
+        return Allocation(request.key, request.user, request.team, request.profile, request.model,
+                          request.share, chosen)
+
+    def mark_running(self, key: str, pid: int) -> None:
+        with self.engine.begin() as db:
+            db.execute(
+                allocations_table.update()
+                .where(allocations_table.c.key == key)
+                .values(state="running", pid=pid, pid_started=process_start_time(pid))
+            )
+
+    def release(self, key: str) -> bool:
+        with self.engine.begin() as db:
+            return db.execute(allocations_table.delete().where(allocations_table.c.key == key)).rowcount > 0
+
+    def get(self, key: str) -> Allocation | None:
+        return next((a for a in self.all() if a.key == key), None)
+
+    def sweep(self) -> list[Allocation]:
+        """Free what no live server holds: reservations of an earlier pool process, dead or reused PIDs."""
+        freed = []
+        with self.engine.begin() as db:
+            for allocation in _group(db.execute(sa.select(allocations_table)).all()):
+                stale_reservation = allocation.state == "reserved" and self._owner_of(db, allocation.key) != self.owner
+                dead = allocation.state == "running" and not process_alive(allocation.pid, allocation.pid_started)
+                if stale_reservation or dead:
+                    db.execute(allocations_table.delete().where(allocations_table.c.key == allocation.key))
+                    freed.append(allocation)
+        return freed
+
+    @staticmethod
+    def _owner_of(db: sa.Connection, key: str) -> str:
+        return db.execute(
+            sa.select(allocations_table.c.owner).where(allocations_table.c.key == key).limit(1)
+        ).scalar_one()
+
+
+def _group(rows: Iterable[sa.Row]) -> list[Allocation]:
+    by_key: dict[str, Allocation] = {}
+    for row in rows:
+        per_card = Fraction(row.share_num, row.share_den)
+        if row.key in by_key:
+            a = by_key[row.key]
+            by_key[row.key] = replace(a, share=a.share + per_card, cards=a.cards + (row.card,))
+        else:
+            by_key[row.key] = Allocation(row.key, row.user, row.team, row.profile, row.model, per_card,
+                                         (row.card,), row.state, row.pid, row.pid_started)
+    return list(by_key.values())
+
+
+# --- requests, holdings and the queue ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    key: str
+    user: str
+    team: str
+    profile: str
+    display_name: str
+    model: str
+    share: Fraction
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What is held right now, in card units: per team, per team and model, per user."""
+
+    team: dict[str, Fraction] = field(default_factory=dict)
+    team_model: dict[tuple[str, str], Fraction] = field(default_factory=dict)
+    user: dict[str, Fraction] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, allocations: Iterable[Allocation]) -> Holdings:
+        holdings = cls()
+        for a in allocations:
+            holdings.team[a.team] = holdings.team.get(a.team, Fraction(0)) + a.share
+            key = (a.team, a.model)
+            holdings.team_model[key] = holdings.team_model.get(key, Fraction(0)) + a.share
+            holdings.user[a.user] = holdings.user.get(a.user, Fraction(0)) + a.share
+        return holdings
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The admission decision for one request given the current holdings."""
+
+    action: Literal["admit", "wait", "deny"]
+    reason: str = ""
+    priority: int | None = None  # overrides the request's priority (deprioritized work)
+
+
+#: Admission: given a request and what is held, may it start now? (The accounting service plugs in here.)
+Decide = Callable[[Request, Holdings], Verdict]
+
+
+def admit_all(request: Request, holdings: Holdings) -> Verdict:
+    return Verdict("admit")
+
+
+class QueueTimeout(Exception):
+    pass
+
+
+class Denied(Exception):
+    pass
+
+
+@dataclass
+class Ticket:
+    request: Request
+    seq: int
+    arrived: float
+    future: asyncio.Future[Allocation]
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    position: int = 0
+    of: int = 0
+    reason: str = ""
+    last_message: str = ""
+
+    def message(self) -> str:
+        r = self.request
+        return (f'Waiting for {r.display_name}: position {self.position} of {self.of} in queue "{r.team}"'
+                + (f" ({self.reason})" if self.reason else ""))
+
+
+def format_share(share: Fraction) -> str:
+    """1/4 → '0.25', 1/7 → '0.143', 2 → '2.0' (for people; exact values stay Fractions)."""
+    text = f"{float(share):.3f}".rstrip("0")
+    return text + "0" if text.endswith(".") else text
+
+
+class LocalPool:
+    """One machine's cards, the allocation store and the wait queue, shared by all spawns of a hub."""
+
+    def __init__(self, cards: list[Card], store: AllocationStore, decide: Decide = admit_all):
+        self.cards = cards
+        self.store = store
+        self.decide = decide
+        self.waiting: dict[str, Ticket] = {}
+        self._seq = itertools.count()
+        freed = store.sweep()
+        for allocation in freed:
+            log.warning("freed %s's share of %s: its server is gone", allocation.key, allocation.model)
+
+    def capacity(self, model: str) -> int:
+        return sum(1 for c in self.cards if c.model == model)
+
+    async def acquire(self, request: Request, timeout: float | None = None) -> Allocation:
+        """Wait in the team's queue until `request` is admitted and placed; the allocation is recorded."""
+        if request.share > self.capacity(request.model):
+            raise Denied(
+                f"{request.display_name} can never fit: the pool has {self.capacity(request.model)} "
+                f"{request.model} card(s)"
+            )
+        if request.key in self.waiting:
+            raise ValueError(f"{request.key} is already waiting")
+        # A new spawn of the same server: whatever that server held before is no longer in use.
+        if self.store.release(request.key):
+            log.warning("%s held an allocation from an earlier start; freed it", request.key)
+        loop = asyncio.get_running_loop()
+        ticket = Ticket(request, next(self._seq), time.monotonic(), loop.create_future())
+        self.waiting[request.key] = ticket
+
+        def placed() -> bool:
+            future = ticket.future
+            return future.done() and not future.cancelled() and future.exception() is None
+
+        try:
+            self.schedule()
+            return await asyncio.wait_for(asyncio.shield(ticket.future), timeout)
+        except TimeoutError:
+            if placed():  # placed in the same instant the timeout fired
+                return ticket.future.result()
+            raise QueueTimeout(
+                f"Gave up waiting for {request.display_name} after {timeout:.0f} s in queue "
+                f'"{request.team}" (the queue timeout of the policy); {ticket.reason or "the pool stayed full"}'
+            ) from None
+        except asyncio.CancelledError:
+            if placed():  # cancelled just as it was placed: give the share back
+                self.store.release(request.key)
+            raise
+        finally:
+            if not ticket.future.done():
+                ticket.future.cancel()
+            self.waiting.pop(request.key, None)
+            self.schedule()
+
+    def release(self, key: str) -> bool:
+        freed = self.store.release(key)
+        self.schedule()
+        return freed
+
+    def ticket(self, key: str) -> Ticket | None:
+        return self.waiting.get(key)
+
+    def _order(self, ticket: Ticket, verdicts: dict[str, Verdict]) -> tuple[int, int]:
+        verdict = verdicts.get(ticket.request.key)
+        priority = verdict.priority if verdict and verdict.priority is not None else ticket.request.priority
+        return (-priority, ticket.seq)
+
+    def schedule(self) -> None:
+        """Admit and place what can start, in order of priority then arrival; update everyone's position."""
+        pending = [t for t in self.waiting.values() if not t.future.done()]
+        if not pending:
+            return
+        allocations = self.store.all()
+        # Verdicts first, because a deprioritized request queues behind everyone else.
+        verdicts = {t.request.key: self.decide(t.request, Holdings.of(allocations)) for t in pending}
+        blocked_models: set[str] = set()
+        for ticket in sorted(pending, key=lambda t: self._order(t, verdicts)):
+            request = ticket.request
+            verdict = self.decide(request, Holdings.of(allocations))
+            verdicts[request.key] = verdict
+            if verdict.action == "deny":
+                ticket.future.set_exception(Denied(verdict.reason))
+                continue
+            if verdict.action == "wait":
+                ticket.reason = verdict.reason
+                continue
+            if request.model in blocked_models:
+                ticket.reason = self._capacity_reason(request, allocations)
+                continue
+            allocation = self.store.reserve(request, self.cards)
+            if allocation is None:
+                # An earlier request that does not fit keeps later ones of the same model from overtaking it.
+                blocked_models.add(request.model)
+                ticket.reason = self._capacity_reason(request, allocations)
+                continue
+            allocations.append(allocation)
+            ticket.future.set_result(allocation)
+        still = [t for t in pending if not t.future.done()]
+        for ticket in still:
+            same_queue = sorted((t for t in still if t.request.team == ticket.request.team),
+                                key=lambda t: self._order(t, verdicts))
+            ticket.position, ticket.of = same_queue.index(ticket) + 1, len(same_queue)
+            if ticket.message() != ticket.last_message:
+                ticket.last_message = ticket.message()
+                ticket.changed.set()
+
+    def _capacity_reason(self, request: Request, allocations: list[Allocation]) -> str:
+        held = sum((a.share for a in allocations if a.model == request.model), Fraction(0))
+        return (f"no {request.model} has {format_share(request.share)} free: "
+                f"{format_share(held)} of {self.capacity(request.model)} allocated")

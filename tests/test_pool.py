@@ -1,0 +1,251 @@
+"""The embedded pool: placement, the persistent allocator under concurrency, and the wait queue."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
+from gpupool.spawner.pool import (
+    AllocationStore, Card, Denied, Holdings, LocalPool, QueueTimeout, Request, Verdict, declared_cards,
+    match_model, place,
+)
+
+H200 = [Card(f"GPU-{i}", "H200", i, 141) for i in range(2)]
+QUARTER = Fraction(1, 4)
+
+
+def request(n: int, share=QUARTER, team="vision", priority=0, model="H200") -> Request:
+    return Request(f"user{n}/", f"user{n}", team, "h200-quarter", f"{share} × {model}", model, Fraction(share), priority)
+
+
+@pytest.fixture
+def store(tmp_path):
+    return AllocationStore(tmp_path / "allocations.sqlite")
+
+
+def test_declared_inventory_of_the_default_policy():
+    cards = declared_cards(load_policy(DEFAULT_POLICY_DIR))
+    assert [(c.uuid, c.model) for c in cards] == [("GPU-declared-H200-0", "H200"), ("GPU-declared-H200-1", "H200")]
+
+
+def test_nvml_names_match_policy_models():
+    policy = load_policy(DEFAULT_POLICY_DIR)
+    assert match_model("NVIDIA H200", policy) == "H200"
+    assert match_model("NVIDIA GeForce RTX 4090", policy) is None
+
+
+def test_best_fit_keeps_whole_cards_free():
+    used = {"GPU-0": Fraction(1, 2)}
+    assert place(H200, used, "H200", QUARTER) == ("GPU-0",)
+    assert place(H200, used, "H200", Fraction(1)) == ("GPU-1",)
+    assert place(H200, used, "H200", Fraction(2)) is None
+    assert place(H200, {}, "H200", Fraction(2)) == ("GPU-0", "GPU-1")
+    assert place(H200, {}, "A100", QUARTER) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([Fraction(1, 7), Fraction(1, 4), Fraction(1, 2), Fraction(1), Fraction(2)]), max_size=30))
+def test_placement_never_overcommits(shares):
+    used: dict[str, Fraction] = {}
+    for share in shares:
+        chosen = place(H200, used, "H200", share)
+        if chosen is None:
+            continue
+        for uuid in chosen:
+            used[uuid] = used.get(uuid, Fraction(0)) + (share if share < 1 else 1)
+        assert all(v <= 1 for v in used.values())
+
+
+def test_concurrent_reservations_never_double_allocate(tmp_path):
+    path = tmp_path / "allocations.sqlite"
+    AllocationStore(path)
+    results = []
+
+    def worker(n):
+        store = AllocationStore(path, owner="same")  # one store per thread: separate connections
+        results.append(store.reserve(request(n), H200))
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    placed = [r for r in results if r is not None]
+    assert len(placed) == 8
+    used = AllocationStore(path, owner="same").used()
+    assert used == {"GPU-0": 1, "GPU-1": 1}
+
+
+def test_reservations_from_separate_processes(tmp_path):
+    path = tmp_path / "allocations.sqlite"
+    AllocationStore(path)
+    code = (
+        "import sys; from fractions import Fraction; from gpupool.spawner.pool import *\n"
+        f"cards = [Card(f'GPU-{{i}}', 'H200', i, 141) for i in range(2)]\n"
+        f"s = AllocationStore({str(path)!r}, owner='x')\n"
+        "n = sys.argv[1]\n"
+        "print(s.reserve(Request(f'p{n}/', f'p{n}', 'vision', 'q', 'q', 'H200', Fraction(1, 2)), cards) is not None)\n"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(n)], stdout=subprocess.PIPE, text=True) for n in range(8)]
+    outputs = [p.communicate()[0].strip() for p in procs]
+    assert outputs.count("True") == 4
+    assert AllocationStore(path, owner="x").used() == {"GPU-0": 1, "GPU-1": 1}
+
+
+def test_sweep_frees_dead_and_reused_pids_and_foreign_reservations(tmp_path):
+    path = tmp_path / "allocations.sqlite"
+    first = AllocationStore(path, owner="hub-1")
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        for n, pid in ((1, alive.pid), (2, dead.pid), (3, alive.pid)):
+            first.reserve(request(n), H200)
+            first.mark_running(f"user{n}/", pid)
+        # user3's record claims the live PID but with another start time: a reused PID.
+        with first.engine.begin() as db:
+            db.exec_driver_sql("UPDATE allocations SET pid_started = pid_started - 100 WHERE key = 'user3/'")
+        first.reserve(request(4), H200)  # reserved, never started
+        second = AllocationStore(path, owner="hub-2")
+        freed = {a.key for a in second.sweep()}
+        assert freed == {"user2/", "user3/", "user4/"}
+        assert [a.key for a in second.all()] == ["user1/"]
+    finally:
+        alive.kill()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_twelve_quarter_requests_on_two_cards(store):
+    async def scenario():
+        pool = LocalPool(H200, store)
+        tasks = [asyncio.create_task(pool.acquire(request(n))) for n in range(12)]
+        await asyncio.sleep(0.05)
+        done = [t for t in tasks if t.done()]
+        assert len(done) == 8
+        waiting = [pool.ticket(f"user{n}/") for n in range(12) if pool.ticket(f"user{n}/")]
+        assert sorted(t.position for t in waiting) == [1, 2, 3, 4]
+        assert all(t.of == 4 for t in waiting)
+        head = min(waiting, key=lambda t: t.position)
+        assert head.message().startswith('Waiting for 1/4 × H200: position 1 of 4 in queue "vision" (no H200 has 0.25 free')
+        assert store.used() == {"GPU-0": 1, "GPU-1": 1}
+        # a freed share goes to the head of the queue at once
+        freed_card = (await tasks[0]).cards[0]
+        pool.release("user0/")
+        await asyncio.sleep(0)
+        allocation = await asyncio.wait_for(tasks[8], 1)
+        assert allocation.key == "user8/" and allocation.cards == (freed_card,)
+        assert sorted(pool.ticket(f"user{n}/").position for n in (9, 10, 11)) == [1, 2, 3]
+        for t in tasks[9:]:
+            t.cancel()
+        await asyncio.gather(*tasks[9:], return_exceptions=True)
+        assert not pool.waiting
+
+    run(scenario())
+
+
+def test_cancel_frees_the_place_in_the_queue(store):
+    async def scenario():
+        pool = LocalPool(H200, store)
+        holders = [await pool.acquire(request(n, Fraction(1))) for n in range(2)]
+        first = asyncio.create_task(pool.acquire(request(10)))
+        second = asyncio.create_task(pool.acquire(request(11)))
+        await asyncio.sleep(0.01)
+        assert pool.ticket("user11/").position == 2
+        first.cancel()
+        await asyncio.sleep(0.01)
+        assert pool.ticket("user11/").position == 1 and pool.ticket("user10/") is None
+        pool.release(holders[0].key)
+        assert (await asyncio.wait_for(second, 1)).key == "user11/"
+
+    run(scenario())
+
+
+def test_queue_timeout_says_so(store):
+    async def scenario():
+        pool = LocalPool(H200, store)
+        for n in range(2):
+            await pool.acquire(request(n, Fraction(1)))
+        with pytest.raises(QueueTimeout, match='after 0 s in queue "vision"'):
+            await pool.acquire(request(5), timeout=0.05)
+        assert not pool.waiting and len(store.all()) == 2
+
+    run(scenario())
+
+
+def test_priority_then_arrival(store):
+    async def scenario():
+        pool = LocalPool(H200, store)
+        holders = [await pool.acquire(request(n, Fraction(1))) for n in range(2)]
+        low = asyncio.create_task(pool.acquire(request(10, Fraction(1), team="nlp", priority=50)))
+        await asyncio.sleep(0.01)
+        high = asyncio.create_task(pool.acquire(request(11, Fraction(1), team="vision", priority=100)))
+        await asyncio.sleep(0.01)
+        pool.release(holders[0].key)
+        assert (await asyncio.wait_for(high, 1)).key == "user11/"
+        assert not low.done()
+        pool.release(holders[1].key)
+        assert (await asyncio.wait_for(low, 1)).key == "user10/"
+
+    run(scenario())
+
+
+def test_a_waiting_whole_card_is_not_overtaken_by_smaller_requests(store):
+    async def scenario():
+        pool = LocalPool(H200, store)
+        await pool.acquire(request(0, Fraction(1)))
+        await pool.acquire(request(1, Fraction(1, 2)))
+        whole = asyncio.create_task(pool.acquire(request(2, Fraction(1))))
+        await asyncio.sleep(0.01)
+        quarter = asyncio.create_task(pool.acquire(request(3)))
+        await asyncio.sleep(0.01)
+        assert not quarter.done(), "the quarter would fit, but the whole card asked first"
+        pool.release("user1/")
+        assert (await asyncio.wait_for(whole, 1)).cards == ("GPU-1",)
+        whole.result()
+        quarter.cancel()
+
+    run(scenario())
+
+
+def test_admission_wait_and_deny(store):
+    def quota(req: Request, holdings: Holdings) -> Verdict:
+        if req.team == "blocked":
+            return Verdict("deny", "budget used up")
+        held = holdings.team.get(req.team, 0)
+        if held + req.share > Fraction(1, 2):
+            return Verdict("wait", f"team holds {float(held)} of 0.5 GPUs")
+        return Verdict("admit")
+
+    async def scenario():
+        pool = LocalPool(H200, store, decide=quota)
+        await pool.acquire(request(0))
+        await pool.acquire(request(1))
+        third = asyncio.create_task(pool.acquire(request(2)))
+        await asyncio.sleep(0.01)
+        assert pool.ticket("user2/").message().endswith("(team holds 0.5 of 0.5 GPUs)")
+        with pytest.raises(Denied, match="budget used up"):
+            await pool.acquire(request(3, team="blocked"))
+        pool.release("user0/")
+        assert (await asyncio.wait_for(third, 1)).key == "user2/"
+
+    run(scenario())
+
+
+def test_a_request_larger_than_the_pool_fails_fast(store):
+    async def scenario():
+        pool = LocalPool(H200, store)
+        with pytest.raises(Denied, match="can never fit"):
+            await pool.acquire(request(0, Fraction(3)))
+
+    run(scenario())
