@@ -15,7 +15,12 @@ $(STAMP): setup.cfg pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	@touch $@
 
-install: $(STAMP) system-packages
+install: $(STAMP) system-packages node_modules/.bin/configurable-http-proxy
+
+# JupyterHub's proxy, from the npm registry into the repository (package.json pins the range).
+node_modules/.bin/configurable-http-proxy: package.json
+	npm install --no-audit --no-fund --silent
+	@touch $@
 
 # Debian packages the platform and the tests use (PostgreSQL for the production database tests,
 # Node.js for configurable-http-proxy). Installed only when missing, and only when we can.
