@@ -31,6 +31,18 @@ def _policy_reference(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    from gpupool.hub.up import up
+
+    return up(args)
+
+
+def _team_add_member(args: argparse.Namespace) -> int:
+    from gpupool.hub.up import team_add_member
+
+    return team_add_member(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpupool", description="A shared, metered GPU pool behind JupyterHub.")
     parser.add_argument("--version", action="version", version=f"gpupool {__version__}")
@@ -43,6 +55,27 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_policy_check)
     reference = policy_commands.add_parser("reference", help="print the policy file reference (Markdown)")
     reference.set_defaults(func=_policy_reference)
+
+    up = commands.add_parser("up", help="run the platform on this machine (embedded mode)")
+    up.add_argument("--policies", help="policy directory (default: the policies shipped with gpupool)")
+    up.add_argument("--state-dir", default="state", help="where gpupool keeps its state (default: ./state)")
+    up.add_argument("--ip", default="127.0.0.1", help="address of the public proxy (default: 127.0.0.1)")
+    up.add_argument("--port", type=int, default=8000,
+                    help="port of the public proxy; the hub uses PORT+1, the proxy API PORT+2 (default: 8000)")
+    up.add_argument("--admin", default="admin", help="name of the first admin (default: admin)")
+    up.add_argument("--admin-password-file",
+                    help="file holding the first admin's password (default: generate one and print it once)")
+    up.add_argument("--authenticator", default="native",
+                    help="JupyterHub authenticator class (default: native, gpupool's NativeAuthenticator)")
+    up.set_defaults(func=_up)
+
+    team = commands.add_parser("team", help="manage team membership")
+    team_commands = team.add_subparsers(dest="team_command", required=True, metavar="SUBCOMMAND")
+    add_member = team_commands.add_parser("add-member", help="add a hub user to a team (a JupyterHub group)")
+    add_member.add_argument("team")
+    add_member.add_argument("user")
+    add_member.add_argument("--state-dir", default="state", help="state directory of the running platform")
+    add_member.set_defaults(func=_team_add_member)
     return parser
 
 

@@ -92,11 +92,12 @@ def match_model(nvml_name: str, policy: Policy) -> str | None:
     return None
 
 
-def discover_cards(policy: Policy) -> list[Card]:
+def discover_cards(policy: Policy) -> tuple[list[Card], Literal["nvml", "declared"]]:
+    """The pool's cards: NVML's when a driver is present, else the policy's declared inventory."""
     found = nvml_cards(policy)
     if found:
-        return found
-    return declared_cards(policy)
+        return found, "nvml"
+    return declared_cards(policy), "declared"
 
 
 # --- placement (pure) -------------------------------------------------------------------------------
@@ -375,6 +376,7 @@ class LocalPool:
         self.store = store
         self.decide = decide
         self.waiting: dict[str, Ticket] = {}
+        self.devices_are_real = False  # True when the cards came from NVML
         self._seq = itertools.count()
         freed = store.sweep()
         for allocation in freed:

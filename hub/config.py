@@ -1,0 +1,110 @@
+"""Embedded-mode JupyterHub configuration from gpupool settings: `apply_config` only sets traits on `c`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+#: The scopes of the `gpupool-cli` service (used by `gpupool team add-member`): nothing more.
+CLI_SCOPES = ["admin:groups", "admin:users", "list:users", "read:users", "list:groups", "read:groups"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    state_dir: Path
+    policy_dir: Path = DEFAULT_POLICY_DIR
+    ip: str = "127.0.0.1"
+    port: int = 8000
+    admin: str = "admin"
+    authenticator: str = "native"
+    extra_services: list[dict] = field(default_factory=list)
+
+    @property
+    def hub_port(self) -> int:
+        return self.port + 1
+
+    @property
+    def proxy_api_port(self) -> int:
+        return self.port + 2
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.ip}:{self.port}/"
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        env = os.environ
+        return cls(
+            state_dir=Path(env.get("GPUPOOL_STATE_DIR", Path.cwd() / "state")),
+            policy_dir=Path(env.get("GPUPOOL_POLICIES", DEFAULT_POLICY_DIR)),
+            ip=env.get("GPUPOOL_IP", "127.0.0.1"),
+            port=int(env.get("GPUPOOL_PORT", "8000")),
+            admin=env.get("GPUPOOL_ADMIN", "admin"),
+            authenticator=env.get("GPUPOOL_AUTHENTICATOR", "native"),
+        )
+
+
+def proxy_command() -> list[str]:
+    local = REPO_ROOT / "node_modules" / ".bin" / "configurable-http-proxy"
+    if local.exists():
+        return [str(local)]
+    found = shutil.which("configurable-http-proxy")
+    if found:
+        return [found]
+    raise RuntimeError("configurable-http-proxy is not installed: run `make up` (npm install into the repository)")
+
+
+def apply_config(c, settings: Settings) -> None:
+    """Set the traits of a traitlets Config `c` for the embedded platform."""
+    policy = load_policy(settings.policy_dir)
+    state = settings.state_dir
+
+    c.JupyterHub.bind_url = settings.url
+    c.JupyterHub.hub_ip = "127.0.0.1"
+    c.JupyterHub.hub_port = settings.hub_port
+    c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{settings.proxy_api_port}"
+    c.ConfigurableHTTPProxy.command = proxy_command()
+    c.ConfigurableHTTPProxy.pid_file = str(state / "proxy.pid")
+    c.JupyterHub.db_url = f"sqlite:///{state / 'jupyterhub.sqlite'}"
+    c.JupyterHub.cookie_secret_file = str(state / "jupyterhub_cookie_secret")
+    # Restarting gpupool must not stop running servers: they are re-adopted with their allocations.
+    c.JupyterHub.cleanup_servers = False
+    c.JupyterHub.cleanup_proxy = True
+
+    c.JupyterHub.spawner_class = "gpupool.spawner.local.LocalGPUSpawner"
+    c.LocalGPUSpawner.policy_dir = str(settings.policy_dir)
+    c.LocalGPUSpawner.state_dir = str(state)
+    c.Spawner.default_url = "/lab"
+    c.Spawner.cmd = [str(Path(sys.executable).parent / "jupyterhub-singleuser")]
+    c.Spawner.environment = {"GPUPOOL_HUB_URL": settings.url}
+
+    if settings.authenticator == "native":
+        c.JupyterHub.authenticator_class = "gpupool.hub.auth.GPUPoolNativeAuthenticator"
+        c.GPUPoolNativeAuthenticator.admin_password_hash_file = str(state / "admin.bcrypt")
+        c.GPUPoolNativeAuthenticator.open_signup = False
+        c.GPUPoolNativeAuthenticator.minimum_password_length = 10
+        # NativeAuthenticator only lets in users an admin approved, so every approved user may log in.
+        c.Authenticator.allow_all = True
+    else:
+        c.JupyterHub.authenticator_class = settings.authenticator
+    c.Authenticator.admin_users = {settings.admin}
+
+    # Teams are JupyterHub groups, created from policies at start-up with the members policies list.
+    c.JupyterHub.load_groups = {
+        name: {"users": list(team.members), "properties": {"gpupool.team": "true"}}
+        for name, team in policy.teams.items()
+    }
+    token_file = state / "cli-token"
+    services = [{"name": "gpupool-cli", "api_token": token_file.read_text().strip()}] if token_file.exists() else []
+    c.JupyterHub.services = services + list(settings.extra_services)
+    c.JupyterHub.load_roles = [
+        {"name": "gpupool-cli", "description": "gpupool team add-member", "scopes": CLI_SCOPES,
+         "services": ["gpupool-cli"]},
+    ] if services else []

@@ -1,0 +1,315 @@
+"""`LocalGPUSpawner`: JupyterHub's local process spawner with a GPU share from the embedded pool.
+
+A spawn asks the pool for the profile's share, waiting in the team's queue (with progress messages) until it
+fits; the server then runs with `CUDA_VISIBLE_DEVICES` set to its card and the MPS limits of its share.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import os
+import pwd
+import shutil
+import subprocess
+from pathlib import Path
+
+from jupyterhub.spawner import LocalProcessSpawner
+from tornado import web
+from traitlets import Unicode, default
+
+from gpupool.spawner.mixin import Choice, GPUPoolSpawnerMixin
+from gpupool.spawner.pool import (
+    AllocationStore, Denied, LocalPool, QueueTimeout, Request, discover_cards, process_alive, process_start_time,
+)
+from gpupool.spawner.resources import profile_share
+
+_pools: dict[str, LocalPool] = {}
+
+
+def get_pool(state_dir: str, policy) -> LocalPool:
+    """The hub process's pool for `state_dir` (one per process: the queue lives in memory)."""
+    pool = _pools.get(state_dir)
+    if pool is None:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        cards, source = discover_cards(policy)
+        pool = LocalPool(cards, AllocationStore(Path(state_dir) / "allocations.sqlite"))
+        pool.devices_are_real = source == "nvml"
+        _pools[state_dir] = pool
+    return pool
+
+
+def mps_env(state_dir: str, share, card_memory_gib: int) -> dict[str, str]:
+    """The CUDA MPS limits of a share: a thread percentage and a pinned device memory limit."""
+    env = {
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(max(1, int(share * 100))),
+        # device 0 is the one card CUDA_VISIBLE_DEVICES leaves visible
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={int(share * card_memory_gib * 1024)}M",
+    }
+    pipe = Path(state_dir) / "mps" / "pipe"
+    if pipe.is_dir():
+        env["CUDA_MPS_PIPE_DIRECTORY"] = str(pipe)
+        env["CUDA_MPS_LOG_DIRECTORY"] = str(pipe.parent / "log")
+    return env
+
+
+def ensure_mps_daemon(state_dir: str, log) -> bool:
+    """Start the NVIDIA MPS control daemon for the pool when the driver ships it; False when it cannot run."""
+    control = shutil.which("nvidia-cuda-mps-control")
+    if control is None:
+        return False
+    pipe, logs = Path(state_dir) / "mps" / "pipe", Path(state_dir) / "mps" / "log"
+    pipe.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe), "CUDA_MPS_LOG_DIRECTORY": str(logs)}
+    if (pipe / "control").exists():
+        return True
+    result = subprocess.run([control, "-d"], env=env, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        log.warning("NVIDIA MPS daemon did not start (%s); GPU share limits are advisory", result.stderr.strip())
+        return False
+    return True
+
+
+def ensure_system_user(name: str, teams: list[str], log) -> None:
+    """Root mode: the hub user as a system user, in one Unix group per team (created when missing)."""
+    for team in teams:
+        try:
+            grp.getgrnam(team)
+        except KeyError:
+            subprocess.run(["groupadd", team], check=True)
+            log.info("created Unix group %s", team)
+    try:
+        pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", name], check=True)
+        log.info("created system user %s", name)
+    current = {g.gr_name for g in grp.getgrall() if name in g.gr_mem}
+    missing = [t for t in teams if t not in current]
+    if missing:
+        subprocess.run(["usermod", "--append", "--groups", ",".join(missing), name], check=True)
+
+
+def ensure_team_folder(root: Path, team: str, as_root: bool) -> Path:
+    """A group-private folder for the team's shared data: setgid, mode 2770, owned by the team's group."""
+    folder = root / team
+    folder.mkdir(parents=True, exist_ok=True)
+    if as_root:
+        os.chown(folder, 0, grp.getgrnam(team).gr_gid)
+        os.chmod(folder, 0o2770)
+    else:
+        os.chmod(folder, 0o2770)
+    return folder
+
+
+class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
+    """Runs each server as a local process holding a share of one of this machine's GPUs."""
+
+    state_dir = Unicode(
+        help="""
+        Where the pool keeps its allocations (`allocations.sqlite`), MPS pipes and, when not run as root,
+        the users' home folders.
+
+            c.LocalGPUSpawner.state_dir = "/var/lib/gpupool"
+        """,
+    ).tag(config=True)
+
+    @default("state_dir")
+    def _default_state_dir(self):
+        return os.environ.get("GPUPOOL_STATE_DIR", str(Path.cwd() / "state"))
+
+    run_as = Unicode(
+        help="""
+        `user`: each server runs as its hub user, a system user created when missing, in one Unix group per
+        team (needs root). `self`: every server runs as the user running the hub (a personal workstation).
+        Default: `user` when the hub runs as root, else `self`.
+
+            c.LocalGPUSpawner.run_as = "self"
+        """,
+    ).tag(config=True)
+
+    @default("run_as")
+    def _default_run_as(self):
+        return "user" if os.getuid() == 0 else "self"
+
+    team_root = Unicode(
+        help="""Folder holding one group-private (2770) folder per team for shared data.
+
+            c.LocalGPUSpawner.team_root = "/srv/gpupool/teams"
+        """,
+    ).tag(config=True)
+
+    @default("team_root")
+    def _default_team_root(self):
+        return str(Path(self.state_dir) / "teams")
+
+    allocation_key: str | None = None
+    allocation_cards: tuple[str, ...] = ()
+    pid_started: float | None = None
+
+    @property
+    def pool_key(self) -> str:
+        return f"{self.user.name}/{self.name}"
+
+    @property
+    def pool(self) -> LocalPool:
+        return get_pool(self.state_dir, self.policy)
+
+    # --- traits from the choice -----------------------------------------------------------------------
+
+    def apply_choice(self, choice: Choice) -> None:
+        profile = choice.profile
+        if profile.memory.limit:
+            self.mem_limit = profile.memory.limit.replace("i", "")  # JupyterHub's ByteSpecification: 32G
+        if profile.cpu.limit:
+            self.cpu_limit = float(profile.cpu.limit.removesuffix("m")) / (1000 if profile.cpu.limit.endswith("m") else 1)
+        # Waiting in the queue must not count against start_timeout: allow the queue timeout on top.
+        base = getattr(self, "_gpupool_base_start_timeout", None) or self.start_timeout
+        self._gpupool_base_start_timeout = base
+        self.start_timeout = base + self.policy.queue_timeout(choice.team)
+
+    # --- users and folders ----------------------------------------------------------------------------
+
+    def user_env(self, env):
+        if self.run_as == "user":
+            return super().user_env(env)
+        home = Path(self.state_dir) / "home" / self.user.name
+        home.mkdir(parents=True, exist_ok=True)
+        env["USER"] = self.user.name
+        env["HOME"] = str(home)
+        env["SHELL"] = "/bin/bash"
+        return env
+
+    def make_preexec_fn(self, name):
+        if self.run_as == "user":
+            return super().make_preexec_fn(name)
+        home = Path(self.state_dir) / "home" / self.user.name
+
+        def preexec():
+            os.chdir(home)
+
+        return preexec
+
+    def get_args(self):
+        args = super().get_args()
+        if self.run_as == "self" and os.getuid() == 0:
+            args.append("--allow-root")
+        return args
+
+    # --- lifecycle ------------------------------------------------------------------------------------
+
+    def get_env(self):
+        env = super().get_env()
+        choice = self.gpupool_choice
+        if choice is None:
+            return env
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        env["GPUPOOL_TEAM"] = choice.team
+        env["GPUPOOL_PROFILE"] = choice.slug
+        share = profile_share(choice.profile, self.policy)
+        env["GPUPOOL_SHARE"] = str(share)
+        if choice.profile.gpu is not None:
+            env["GPUPOOL_GPU_MODEL"] = choice.profile.gpu.model
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.allocation_cards)
+            if share < 1:
+                memory = self.policy.models[choice.profile.gpu.model].memory_gib
+                env.update(mps_env(self.state_dir, share, memory))
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # CPU-only: no card is visible
+        return env
+
+    async def start(self):
+        if self.gpupool_choice is None:  # started without going through apply_user_options
+            self._apply_choice(self, self.user_options)
+        choice = self.gpupool_choice
+        teams = self.user_teams()
+        if self.run_as == "user":
+            await asyncio.to_thread(ensure_system_user, self.user.name, teams, self.log)
+        for team in teams:
+            ensure_team_folder(Path(self.team_root), team, self.run_as == "user")
+        if choice.profile.gpu is not None:
+            request = Request(
+                key=self.pool_key, user=self.user.name, team=choice.team, profile=choice.slug,
+                display_name=choice.profile.display_name, model=choice.profile.gpu.model,
+                share=profile_share(choice.profile, self.policy),
+                priority=self.policy.teams[choice.team].priority,
+            )
+            try:
+                allocation = await self.pool.acquire(request, timeout=self.policy.queue_timeout(choice.team))
+            except (QueueTimeout, Denied) as error:
+                raise web.HTTPError(503 if isinstance(error, QueueTimeout) else 403, str(error)) from None
+            self.allocation_key, self.allocation_cards = allocation.key, allocation.cards
+            if self.policy.settings.mps == "auto" and self.pool.devices_are_real:
+                ensure_mps_daemon(self.state_dir, self.log)
+        try:
+            ip_port = await super().start()
+        except BaseException:
+            self._free()
+            raise
+        self.pid_started = process_start_time(self.pid)
+        if self.allocation_key:
+            self.pool.store.mark_running(self.allocation_key, self.pid)
+        return ip_port
+
+    async def progress(self):
+        yield {"progress": 5, "message": "Checking the profile against your teams' quotas and the pool"}
+        while True:
+            ticket = self.pool.ticket(self.pool_key)
+            if ticket is None:
+                break
+            ticket.changed.clear()
+            yield {"progress": 10, "message": ticket.message()}
+            try:
+                await asyncio.wait_for(ticket.changed.wait(), 5)
+            except TimeoutError:
+                pass
+        if self.allocation_cards:
+            yield {"progress": 50, "message": f"Got {self.gpupool_choice.profile.display_name} on "
+                                              f"{', '.join(self.allocation_cards)}; starting JupyterLab"}
+
+    async def poll(self):
+        status = await super().poll()
+        if status is None and self.pid and self.pid_started and not process_alive(self.pid, self.pid_started):
+            self.log.warning("PID %s of %s now belongs to another process", self.pid, self._log_name)
+            self.clear_state()
+            return 1
+        return status
+
+    async def stop(self, now=False):
+        try:
+            await super().stop(now=now)
+        finally:
+            self._free()
+
+    def _free(self) -> None:
+        self.pool.release(self.pool_key)
+        self.allocation_key, self.allocation_cards = None, ()
+
+    # --- state across hub restarts ---------------------------------------------------------------------
+
+    def get_state(self):
+        state = super().get_state()
+        if self.pid_started:
+            state["pid_started"] = self.pid_started
+        if self.allocation_key:
+            state["allocation"] = {"key": self.allocation_key, "cards": list(self.allocation_cards)}
+        if self.gpupool_choice:
+            state["choice"] = {"profile": self.gpupool_choice.slug, "team": self.gpupool_choice.team,
+                               "image": self.gpupool_choice.image}
+        return state
+
+    def load_state(self, state):
+        super().load_state(state)
+        self.pid_started = state.get("pid_started")
+        allocation = state.get("allocation")
+        if allocation:
+            self.allocation_key, self.allocation_cards = allocation["key"], tuple(allocation["cards"])
+        choice = state.get("choice")
+        if choice and choice["profile"] in self.policy.profiles:
+            self.gpupool_choice = Choice(choice["profile"], self.policy.profiles[choice["profile"]],
+                                          choice["team"], choice["image"])
+
+    def clear_state(self):
+        super().clear_state()
+        self.pid_started = None
+        self.allocation_key, self.allocation_cards = None, ()

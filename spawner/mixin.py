@@ -1,0 +1,191 @@
+"""What every gpupool spawner shares: policies, the profile form, and server-side checks of `user_options`.
+
+Both `LocalGPUSpawner` and the Kubernetes spawner mix this in. A user may send anything through the REST
+API, so every choice is checked here against the profiles of the user's teams: slugs are compared exactly,
+unknown keys are refused, and the error names the valid choices.
+"""
+
+from __future__ import annotations
+
+import copy
+import html
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from tornado import web
+from traitlets import Unicode, default
+
+from gpupool.policies import DEFAULT_POLICY_DIR, Policy, PolicyError, load_policy
+from gpupool.policies.model import Profile
+from gpupool.spawner.resources import profile_share
+
+#: Keys a user may send in `user_options`.
+USER_OPTION_KEYS = ("profile", "image", "team")
+
+_policy_cache: dict[str, tuple[float, Policy]] = {}
+
+
+def current_policy(directory: str | Path, log=None) -> Policy:
+    """The policy in `directory`, re-read when a file changes; an invalid edit keeps the last valid policy."""
+    directory = str(directory)
+    files = sorted(Path(directory).glob("*.y*ml"))
+    stamp = max((f.stat().st_mtime_ns for f in files), default=0) + len(files)
+    cached = _policy_cache.get(directory)
+    if cached and cached[0] == stamp:
+        return cached[1]
+    try:
+        policy = load_policy(directory)
+    except PolicyError as error:
+        if cached is None:
+            raise
+        if log:
+            log.error("Policy change in %s rejected, keeping the previous policy:\n%s", directory, error)
+        return cached[1]
+    _policy_cache[directory] = (stamp, policy)
+    return policy
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A checked choice: the profile (a private copy), the team it is charged to, the image."""
+
+    slug: str
+    profile: Profile
+    team: str
+    image: str | None
+
+
+class GPUPoolSpawnerMixin:
+    """Profiles from policies, filtered by the user's teams and checked on the server."""
+
+    policy_dir = Unicode(
+        help="""
+        Directory of gpupool policy files (models, profiles, teams).
+
+        Re-read when its files change; a change that does not pass `gpupool policy check` is logged and
+        ignored, so an invalid policy never replaces a valid one.
+
+            c.LocalGPUSpawner.policy_dir = "/etc/gpupool/policies"
+        """,
+    ).tag(config=True)
+
+    @default("policy_dir")
+    def _default_policy_dir(self):
+        return os.environ.get("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR))
+
+    gpupool_choice: Choice | None = None
+
+    @property
+    def policy(self) -> Policy:
+        return current_policy(self.policy_dir, self.log)
+
+    def user_teams(self) -> list[str]:
+        """The user's teams, in policy order: hub groups that are policy teams, plus policy member lists."""
+        groups = {g.name for g in getattr(self.user, "groups", [])}
+        return [name for name, team in self.policy.teams.items() if name in groups or self.user.name in team.members]
+
+    def available_profiles(self) -> dict[str, Profile]:
+        return self.policy.profiles_for_teams(set(self.user_teams()))
+
+    # --- the form -------------------------------------------------------------------------------------
+
+    @default("options_form")
+    def _default_options_form(self):
+        return GPUPoolSpawnerMixin._render_form
+
+    @staticmethod
+    def _render_form(spawner) -> str:
+        profiles = spawner.available_profiles()
+        if not profiles:
+            return ("<p>You are not in any team yet, so there is no profile to start. Ask an administrator "
+                    "to add you to a team (<code>gpupool team add-member TEAM USER</code>).</p>")
+        default_slug = next((s for s, p in profiles.items() if p.default), next(iter(profiles)))
+        policy = spawner.policy
+        rows = []
+        for slug, profile in profiles.items():
+            share = profile_share(profile, policy)
+            checked = " checked" if slug == default_slug else ""
+            images = ""
+            if len(profile.images) > 1:
+                options = "".join(
+                    f'<option value="{html.escape(i)}"{" selected" if img.default else ""}>'
+                    f"{html.escape(img.display_name)}</option>"
+                    for i, img in profile.images.items()
+                )
+                images = f'<select name="image-{html.escape(slug)}" class="form-control">{options}</select>'
+            rows.append(
+                f'<label class="list-group-item"><input type="radio" name="profile" value="{html.escape(slug)}"'
+                f"{checked}> <strong>{html.escape(profile.display_name)}</strong>"
+                f'{" · " + html.escape(profile.description) if profile.description else ""}'
+                f'{" · " + str(share) + " GPU" if share else ""}'
+                f'{" · teams: " + html.escape(", ".join(t for t in profile.teams if t in spawner.user_teams())) if len(spawner.user_teams()) > 1 else ""}'
+                f"{images}</label>"
+            )
+        return '<div class="list-group">' + "".join(rows) + "</div>"
+
+    def options_from_form(self, formdata):
+        options = {}
+        if formdata.get("profile"):
+            options["profile"] = formdata["profile"][0]
+            image = formdata.get(f"image-{options['profile']}")
+            if image:
+                options["image"] = image[0]
+        if formdata.get("team"):
+            options["team"] = formdata["team"][0]
+        return options
+
+    # --- checking user_options ---------------------------------------------------------------------------
+
+    @default("apply_user_options")
+    def _default_apply_user_options(self):
+        return GPUPoolSpawnerMixin._apply_choice
+
+    @staticmethod
+    def _apply_choice(spawner, user_options) -> None:
+        spawner.gpupool_choice = spawner.check_user_options(user_options or {})
+        spawner.apply_choice(spawner.gpupool_choice)
+
+    def check_user_options(self, options: dict) -> Choice:
+        """A `Choice` from untrusted `options`, or an HTTP 400/403 naming what is wrong and what is accepted."""
+        if not isinstance(options, dict):
+            raise web.HTTPError(400, "user_options must be an object with keys: " + ", ".join(USER_OPTION_KEYS))
+        unknown = sorted(set(options) - set(USER_OPTION_KEYS))
+        if unknown:
+            raise web.HTTPError(
+                400, f"Unknown user option(s): {', '.join(unknown)}. Accepted keys: {', '.join(USER_OPTION_KEYS)}"
+            )
+        teams = self.user_teams()
+        if not teams:
+            raise web.HTTPError(
+                403, f"{self.user.name} is in no team, so no profile can be started; an administrator adds "
+                     "people with `gpupool team add-member TEAM USER`"
+            )
+        profiles = self.available_profiles()
+        slug = options.get("profile")
+        if slug is None:
+            slug = next((s for s, p in profiles.items() if p.default), next(iter(profiles)))
+        if not isinstance(slug, str) or slug not in profiles:
+            raise web.HTTPError(
+                400, f"No such profile: {slug!r}. Options include: {', '.join(profiles)}"
+            )
+        profile = copy.deepcopy(profiles[slug])
+        team = options.get("team")
+        allowed = [t for t in teams if t in profile.teams]
+        if team is None:
+            team = allowed[0]
+        elif not isinstance(team, str) or team not in allowed:
+            raise web.HTTPError(
+                400, f"Team {team!r} cannot be charged for {slug}. Options include: {', '.join(allowed)}"
+            )
+        image = options.get("image")
+        if image is not None and (not isinstance(image, str) or image not in profile.images):
+            raise web.HTTPError(
+                400, f"No such image for {slug}: {image!r}. Options include: {', '.join(profile.images) or 'none'}"
+            )
+        if image is None and profile.images:
+            image = next((i for i, img in profile.images.items() if img.default), next(iter(profile.images)))
+        return Choice(slug, profile, team, image)
+
+    def apply_choice(self, choice: Choice) -> None:
+        """Set the spawner's traits from a checked choice (subclasses add what their backend needs)."""
