@@ -12,6 +12,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner
@@ -69,6 +70,12 @@ def ensure_mps_daemon(state_dir: str, log) -> bool:
         log.warning("NVIDIA MPS daemon did not start (%s); GPU share limits are advisory", result.stderr.strip())
         return False
     return True
+
+
+def runnable_by_others(path: Path) -> bool:
+    """Whether users other than the owner can run `path` (every folder above it searchable by others)."""
+    real = Path(os.path.realpath(path))
+    return bool(real.stat().st_mode & 0o001) and all(p.stat().st_mode & 0o001 for p in real.parents)
 
 
 def ensure_system_user(name: str, teams: list[str], log) -> None:
@@ -130,7 +137,16 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     @default("run_as")
     def _default_run_as(self):
-        return "user" if os.getuid() == 0 else "self"
+        if os.getuid() != 0:
+            return "self"
+        if not runnable_by_others(Path(sys.executable)):
+            self.log.warning(
+                "Running as root, but %s is not readable by other users (is it under /root?), so servers "
+                "cannot run as their users; running them as root. Install gpupool where every user can read it "
+                "(e.g. /opt/gpupool) for per-user servers.", os.path.realpath(sys.executable),
+            )
+            return "self"
+        return "user"
 
     team_root = Unicode(
         help="""Folder holding one group-private (2770) folder per team for shared data.
@@ -268,11 +284,15 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
                                               f"{', '.join(self.allocation_cards)}; starting JupyterLab"}
 
     async def poll(self):
-        status = await super().poll()
-        if status is None and self.pid and self.pid_started and not process_alive(self.pid, self.pid_started):
-            self.log.warning("PID %s of %s now belongs to another process", self.pid, self._log_name)
+        # Checked before JupyterHub's own `kill(pid, 0)`, which a zombie or a reused PID would pass.
+        if self.pid and not process_alive(self.pid, self.pid_started):
+            self.log.warning("%s (PID %s) is gone; freeing its share", self._log_name, self.pid)
             self.clear_state()
+            self._free()  # JupyterHub does not call stop() for a server that is already gone
             return 1
+        status = await super().poll()
+        if status is not None and self.allocation_key and not self._spawn_pending:
+            self._free()
         return status
 
     async def stop(self, now=False):

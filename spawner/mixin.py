@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tornado import web
 from traitlets import Unicode, default
+from traitlets.config import LoggingConfigurable
 
 from gpupool.policies import DEFAULT_POLICY_DIR, Policy, PolicyError, load_policy
 from gpupool.policies.model import Profile
@@ -56,8 +57,11 @@ class Choice:
     image: str | None
 
 
-class GPUPoolSpawnerMixin:
-    """Profiles from policies, filtered by the user's teams and checked on the server."""
+class GPUPoolSpawnerMixin(LoggingConfigurable):
+    """Profiles from policies, filtered by the user's teams and checked on the server.
+
+    A `LoggingConfigurable` so that its traits take part in the spawner's configuration.
+    """
 
     policy_dir = Unicode(
         help="""
