@@ -37,9 +37,10 @@ system-packages:
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# UP_ARGS go to `gpupool up`, e.g. make up UP_ARGS="--port 9000 --policies policies/examples"
+UP_ARGS ?=
 up: install
-	@echo "make up (the embedded platform) is not there yet: it is delivered by issue #3."; \
-	echo "Meanwhile: $(BIN)/gpupool policy check policies"; exit 2
+	$(BIN)/gpupool up $(UP_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -1,7 +1,8 @@
 """The embedded platform end to end: `gpupool up` runs a real JupyterHub, proxy and JupyterLab servers.
 
-Nothing is mocked: users are created and servers spawned through the hub's REST API with a test service
-token, code runs in a real kernel of the spawned server, and the hub is stopped and restarted for real.
+Nothing is mocked: users are created and servers spawned through the hub's REST API with a service token
+(`gpupool.hub.harness`), code runs in a real kernel of the spawned server, and the hub is stopped and
+restarted for real.
 """
 
 from __future__ import annotations
@@ -9,24 +10,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import psutil
 import pytest
-import requests
-import websocket  # websocket-client, a JupyterLab dependency
 
+from gpupool.hub.harness import Hub
 from gpupool.spawner.pool import AllocationStore
-
-ROOT = Path(__file__).resolve().parent.parent
-GPUPOOL = Path(sys.executable).parent / "gpupool"
-TOKEN = uuid.uuid4().hex
 
 POLICY = {
     "gpus.yaml": """
@@ -49,150 +40,11 @@ profiles:
     "billing.yaml": "billing: {prices: {H200: '3.20'}}\n",
 }
 
-TEST_SERVICE = f"""
-c.LocalGPUSpawner.run_as = "self"  # per-user system accounts are tested separately
-c.JupyterHub.services.append({{"name": "test-harness", "api_token": {TOKEN!r}}})
-c.JupyterHub.load_roles.append({{
-    "name": "test-harness",
-    "scopes": ["admin:users", "admin:servers", "access:servers", "admin:groups", "read:users"],
-    "services": ["test-harness"],
-}})
-"""
-
-
-def free_port_block(n: int = 3) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            sockets = []
-            for port in range(base, base + n):
-                sock = socket.socket()
-                sock.bind(("127.0.0.1", port))
-                sockets.append(sock)
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError("no free ports")
-
-
-class Hub:
-    """A `gpupool up` process and a REST client for it."""
-
-    def __init__(self, tmp: Path):
-        self.policies = tmp / "policies"
-        self.policies.mkdir()
-        for name, text in POLICY.items():
-            (self.policies / name).write_text(text)
-        self.state = tmp / "state"
-        (self.state / "jupyterhub_config.d").mkdir(parents=True)
-        (self.state / "jupyterhub_config.d" / "test.py").write_text(TEST_SERVICE)
-        self.port = free_port_block()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen | None = None
-        self.log = tmp / "hub.log"
-        self.session = requests.Session()
-        self.session.headers["Authorization"] = f"token {TOKEN}"
-
-    def start(self) -> None:
-        log = self.log.open("a")
-        env = dict(os.environ)
-        self.process = subprocess.Popen(
-            [GPUPOOL, "up", "--state-dir", str(self.state), "--port", str(self.port), "--policies", str(self.policies)],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if self.session.get(f"{self.url}/hub/api/users", timeout=2).status_code == 200:
-                    return
-            except requests.ConnectionError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(self.log.read_text()[-3000:])
-
-    def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            self.process.wait(30)
-
-    def api(self, method: str, path: str, **kw) -> requests.Response:
-        return self.session.request(method, f"{self.url}/hub/api{path}", timeout=30, **kw)
-
-    def add_user(self, name: str, team: str) -> None:
-        assert self.api("POST", f"/users/{name}").status_code in (201, 409)
-        assert self.api("POST", f"/groups/{team}/users", json={"users": [name]}).status_code == 200
-
-    def server(self, name: str) -> dict | None:
-        return self.api("GET", f"/users/{name}").json()["servers"].get("")
-
-    def wait_ready(self, name: str, timeout: float = 120) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            server = self.server(name)
-            if server and server["ready"]:
-                return server
-            time.sleep(0.5)
-        raise TimeoutError(f"{name}'s server not ready: {self.server(name)}\n{self.log.read_text()[-3000:]}")
-
-    def progress_until(self, name: str, predicate, timeout: float = 60) -> list[dict]:
-        """Progress events of `name`'s spawn until one satisfies `predicate`."""
-        events = []
-        with self.session.get(f"{self.url}/hub/api/users/{name}/server/progress", stream=True, timeout=timeout) as r:
-            for line in r.iter_lines(decode_unicode=True):
-                if line and line.startswith("data:"):
-                    events.append(json.loads(line[5:]))
-                    if predicate(events[-1]):
-                        break
-        return events
-
-    def run_in_kernel(self, name: str, code: str) -> str:
-        """Run `code` in a new kernel of `name`'s server and return what it printed."""
-        base = f"{self.url}/user/{name}/api"
-        kernel = self.session.post(f"{base}/kernels", json={"name": "python3"}, timeout=60)
-        assert kernel.status_code == 201, kernel.text
-        kernel_id = kernel.json()["id"]
-        ws = websocket.create_connection(
-            f"ws://127.0.0.1:{self.port}/user/{name}/api/kernels/{kernel_id}/channels",
-            header=[f"Authorization: token {TOKEN}"], timeout=60,
-        )
-        msg_id = uuid.uuid4().hex
-        ws.send(json.dumps({
-            "header": {"msg_id": msg_id, "username": "test", "session": uuid.uuid4().hex, "msg_type": "execute_request",
-                       "version": "5.3"},
-            "parent_header": {}, "metadata": {}, "channel": "shell",
-            "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
-                        "allow_stdin": False},
-        }))
-        output = []
-        while True:
-            msg = json.loads(ws.recv())
-            if msg.get("parent_header", {}).get("msg_id") != msg_id:
-                continue
-            if msg["msg_type"] == "stream":
-                output.append(msg["content"]["text"])
-            elif msg["msg_type"] == "error":
-                raise AssertionError("\n".join(msg["content"]["traceback"]))
-            elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                break
-        ws.close()
-        self.session.delete(f"{base}/kernels/{kernel_id}", timeout=30)
-        return "".join(output)
-
-    def allocations(self) -> dict[str, tuple[str, ...]]:
-        return {a.key: a.cards for a in AllocationStore(self.state / "allocations.sqlite", owner="test").all()}
-
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
-    hub = Hub(tmp_path_factory.mktemp("embedded"))
+    hub = Hub(tmp_path_factory.mktemp("embedded"), POLICY,
+              'c.LocalGPUSpawner.run_as = "self"  # per-user system accounts: test_system_users.py')
     hub.start()
     yield hub
     for user in hub.api("GET", "/users").json():
