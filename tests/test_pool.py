@@ -249,3 +249,49 @@ def test_a_request_larger_than_the_pool_fails_fast(store):
             await pool.acquire(request(0, Fraction(3)))
 
     run(scenario())
+
+
+class NVMLDouble:
+    """A test double of `pynvml` (no NVIDIA driver here): two H200s and a card the policy does not know."""
+
+    class NVMLError(Exception):
+        pass
+
+    devices = [("NVIDIA H200", "GPU-aaaa", 141), ("NVIDIA H200", "GPU-bbbb", 141), ("Tesla T4", "GPU-cccc", 16)]
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetName(self, i):
+        return self.devices[i][0].encode()
+
+    def nvmlDeviceGetUUID(self, i):
+        return self.devices[i][1]
+
+    def nvmlDeviceGetMemoryInfo(self, i):
+        return type("Memory", (), {"total": self.devices[i][2] * 2**30})()
+
+
+def test_nvml_inventory_through_a_double(monkeypatch):
+    from gpupool.spawner.pool import discover_cards
+
+    monkeypatch.setitem(sys.modules, "pynvml", NVMLDouble())
+    cards, source = discover_cards(load_policy(DEFAULT_POLICY_DIR))
+    assert source == "nvml"
+    assert [(c.uuid, c.model, c.index) for c in cards] == [("GPU-aaaa", "H200", 0), ("GPU-bbbb", "H200", 1)]
+
+
+def test_without_a_driver_the_declared_inventory_is_used():
+    from gpupool.spawner.pool import discover_cards
+
+    cards, source = discover_cards(load_policy(DEFAULT_POLICY_DIR))
+    assert source == "declared" and len(cards) == 2
