@@ -1,0 +1,222 @@
+"""The ledger's tables (SQLAlchemy 2 typed declarative), engines for SQLite and PostgreSQL, and migrations.
+
+The schema is owned by the Alembic migrations in `migrations/` (shipped in the package), run in code by
+`migrate()`; the models here must match them (a test compares the two). Tables carry an `accounting_`
+prefix and Alembic its own version table, so the ledger can share a database with JupyterHub, whose
+migrations use the default `alembic_version` table.
+
+Times are stored as whole seconds since the epoch (UTC) in BIGINT columns: both databases then add,
+subtract and multiply them exactly in SQL, which is what lets a bill aggregate a million intervals in
+one query without floating point (SQLite's own date functions work in floating-point Julian days).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from gpupool.hub.accounting.periods import from_epoch_seconds, to_epoch_seconds
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+VERSION_TABLE = "accounting_alembic_version"
+#: How a closed interval ended. `reconciled`: the ledger closed it itself because its server stopped
+#: sending heartbeats (the end is then the last heartbeat). Intervals are never split in the table:
+#: periods are cut at query time (see `ledger.py`), so there is no `split`.
+HOW_ENDED = ("stopped", "culled", "failed", "preempted", "reconciled")
+#: SQLite waits this long for another writer before giving up with "database is locked".
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+#: A fixed key for PostgreSQL's advisory lock that serialises concurrent `migrate()` calls.
+MIGRATION_LOCK_KEY = 0x67707570_6F6F6C  # "gpupool"
+
+
+class UTCSeconds(sa.TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime stored as whole seconds since the epoch (rounded down)."""
+
+    impl = sa.BigInteger
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: sa.Dialect) -> int | None:
+        return None if value is None else to_epoch_seconds(value)
+
+    def process_result_value(self, value: int | None, dialect: sa.Dialect) -> datetime | None:
+        return None if value is None else from_epoch_seconds(value)
+
+
+class Base(DeclarativeBase):
+    metadata = sa.MetaData(
+        naming_convention={
+            "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+            "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+            "ck": "ck_%(table_name)s_%(constraint_name)s",
+            "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+            "pk": "pk_%(table_name)s",
+        }
+    )
+
+
+class UsageInterval(Base):
+    """One holding of a GPU share: from admission (or start) to its end; `end_at` NULL while open."""
+
+    __tablename__ = "accounting_intervals"
+
+    id: Mapped[int] = mapped_column(sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True)
+    #: The caller's idempotency key (e.g. ``alice/:spawn-<uuid>``): writing the same event twice is a no-op.
+    key: Mapped[str] = mapped_column(sa.String(255), unique=True)
+    user: Mapped[str] = mapped_column(sa.String(255))
+    team: Mapped[str] = mapped_column(sa.String(63))
+    profile: Mapped[str] = mapped_column(sa.String(63))
+    model: Mapped[str] = mapped_column(sa.String(63))
+    #: The share of one card, exactly: 1/7 for a 1g MIG slice, 2/1 for two cards.
+    share_num: Mapped[int] = mapped_column(sa.Integer)
+    share_den: Mapped[int] = mapped_column(sa.Integer)
+    start_at: Mapped[datetime] = mapped_column(UTCSeconds)
+    end_at: Mapped[datetime | None] = mapped_column(UTCSeconds)
+    how: Mapped[str | None] = mapped_column(sa.String(16))
+    last_seen_at: Mapped[datetime] = mapped_column(UTCSeconds)
+    #: Seconds of use committed at admission: while open, the interval counts against the budget as if
+    #: it ran at least this long, so concurrent admissions cannot all spend the same last GPU-hour.
+    reserve_s: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+
+    __table_args__ = (
+        sa.CheckConstraint("share_num > 0 AND share_den > 0", name="share_positive"),
+        sa.CheckConstraint("end_at IS NULL OR end_at >= start_at", name="end_after_start"),
+        sa.CheckConstraint("(end_at IS NULL) = (how IS NULL)", name="how_iff_ended"),
+        sa.CheckConstraint(
+            "how IS NULL OR how IN (" + ", ".join(f"'{h}'" for h in HOW_ENDED) + ")", name="how_known"
+        ),
+        sa.CheckConstraint("reserve_s >= 0", name="reserve_not_negative"),
+        # Bills and budgets read one period: intervals overlapping it, by team.
+        sa.Index(None, "team", "start_at"),
+        sa.Index(None, "start_at"),
+        # Open intervals (holdings, reconciliation) are few; find them without a scan.
+        sa.Index(None, "end_at"),
+    )
+
+
+class AlertRecord(Base):
+    """A budget alert that was sent: once per team, period, scope and threshold."""
+
+    __tablename__ = "accounting_alerts"
+
+    id: Mapped[int] = mapped_column(sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True)
+    team: Mapped[str] = mapped_column(sa.String(63))
+    period: Mapped[str] = mapped_column(sa.String(7))
+    #: The model whose per-model budget crossed the threshold, or "" for the team's budget of all models.
+    scope: Mapped[str] = mapped_column(sa.String(63))
+    #: The threshold as written in the policy (a decimal fraction of the budget, e.g. "0.8").
+    threshold: Mapped[str] = mapped_column(sa.String(16))
+    sent_at: Mapped[datetime] = mapped_column(UTCSeconds)
+
+    __table_args__ = (sa.UniqueConstraint("team", "period", "scope", "threshold"),)
+
+
+class AdmissionLock(Base):
+    """One row per team, locked (SELECT … FOR UPDATE) while an admission for that team is decided."""
+
+    __tablename__ = "accounting_admission_locks"
+
+    team: Mapped[str] = mapped_column(sa.String(63), primary_key=True)
+
+
+# --- engines ---------------------------------------------------------------------------------------------
+
+ACCEPTED_URLS = "sqlite:///PATH or postgresql+psycopg://USER@HOST:PORT/DATABASE"
+
+
+def create_engine(url: str | sa.URL, **kwargs: Any) -> sa.Engine:
+    """An engine for the ledger: SQLite (WAL, foreign keys, busy timeout) or PostgreSQL through psycopg 3.
+
+    A plain ``postgresql://`` URL is taken to mean psycopg 3, the driver gpupool installs.
+    """
+    try:
+        parsed = sa.make_url(url)
+    except sa.exc.ArgumentError:
+        raise ValueError(f"{url!r} is not a database URL (accepted: {ACCEPTED_URLS})") from None
+    if parsed.drivername in ("postgresql", "postgres"):
+        parsed = parsed.set(drivername="postgresql+psycopg")
+    if parsed.drivername not in ("sqlite", "sqlite+pysqlite", "postgresql+psycopg"):
+        raise ValueError(
+            f"the ledger runs on SQLite or PostgreSQL with psycopg 3, not {parsed.drivername!r} "
+            f"(accepted: {ACCEPTED_URLS})"
+        )
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database in (None, "", ":memory:"):
+            # One in-memory database shared by every connection (each new connection would see an
+            # empty one); for tests and experiments, the pool's state lives in a file.
+            kwargs.setdefault("poolclass", sa.StaticPool)
+            kwargs.setdefault("connect_args", {"check_same_thread": False})
+        engine = sa.create_engine(parsed, **kwargs)
+        _sqlite_setup(engine)
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    return sa.create_engine(parsed, **kwargs)
+
+
+def _sqlite_setup(engine: sa.Engine) -> None:
+    @sa.event.listens_for(engine, "connect")
+    def _pragmas(dbapi_connection: Any, _record: Any) -> None:
+        # pysqlite's own transaction handling would BEGIN lazily and in the wrong mode; we issue BEGIN.
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cursor.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _begin(connection: sa.Connection) -> None:
+        # A transaction that reads and then writes must hold the write lock from its start: a deferred
+        # one that later upgrades fails with SQLITE_BUSY at once instead of waiting (WAL snapshots).
+        mode = connection.get_execution_options().get("sqlite_begin", "DEFERRED")
+        connection.exec_driver_sql(f"BEGIN {mode}")
+
+
+def writer(engine: sa.Engine) -> sa.Engine:
+    """The same engine, whose transactions take the write lock at once on SQLite (`BEGIN IMMEDIATE`)."""
+    return engine.execution_options(sqlite_begin="IMMEDIATE")
+
+
+# --- migrations -------------------------------------------------------------------------------------------
+
+
+def alembic_config(connection: sa.Connection | None = None) -> Config:
+    """Alembic's configuration for the ledger, built in code (no alembic.ini to find or ship)."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("version_table", VERSION_TABLE)
+    config.attributes["connection"] = connection
+    return config
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def current_revision(engine: sa.Engine) -> str | None:
+    with engine.connect() as connection:
+        return MigrationContext.configure(
+            connection, opts={"version_table": VERSION_TABLE}
+        ).get_current_revision()
+
+
+def migrate(engine: sa.Engine, revision: str = "head") -> None:
+    """Bring the ledger's schema to `revision` (default: the newest); safe to run at every start."""
+    with writer(engine).begin() as connection:
+        if connection.dialect.name == "postgresql":
+            connection.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK_KEY})
+        command.upgrade(alembic_config(connection), revision)
+
+
+def downgrade(engine: sa.Engine, revision: str) -> None:
+    with writer(engine).begin() as connection:
+        command.downgrade(alembic_config(connection), revision)

@@ -1,0 +1,468 @@
+"""The usage ledger: every interval a user's team held a GPU share, written idempotently, summed exactly.
+
+Writes are keyed by the caller's idempotency key: opening or closing the same interval twice changes
+nothing, and each write is one transaction (`INSERT … ON CONFLICT DO NOTHING` on SQLite and PostgreSQL,
+conditional `UPDATE`s), so concurrent writers — two hub processes, a retried event — never leave a
+half-written or duplicated record.
+
+Periods are cut at **query time**, not at write time. An interval is stored once, as it happened; every
+sum clips it to the period asked for (`[max(start, period start), min(end or now, period end))`). This
+keeps each event a single idempotent write (an interval open across a month boundary needs no
+"split" bookkeeping that a repeated or late close would have to undo), an open interval is counted
+up to "now" in the current period without being rewritten, and the clipping is exactly
+`periods.split_by_month` done in SQL (the tests check one against the other).
+
+Sums are exact: times are whole seconds, shares a numerator and denominator, and SQL adds
+`seconds × numerator` per denominator in integers; the result becomes a `Fraction` of GPU-hours.
+
+Admission goes through `admit()`, which decides (with the pure `admission.decide`) and opens the
+interval in one transaction holding the team's admission lock (`BEGIN IMMEDIATE` on SQLite, `SELECT …
+FOR UPDATE` on the team's lock row on PostgreSQL), so concurrent requests for the last share or the
+last GPU-hour cannot all be admitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import Decimal
+from enum import StrEnum
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+
+from gpupool.hub.accounting import db, periods
+from gpupool.hub.accounting.admission import (
+    Alert,
+    AdmissionRequest,
+    Decision,
+    Holdings,
+    Usage,
+    decide,
+    resolve,
+)
+from gpupool.policies.model import Policy
+
+INTERVALS = db.UsageInterval.__table__
+ALERTS = db.AlertRecord.__table__
+LOCKS = db.AdmissionLock.__table__
+#: What sums can be grouped by.
+GROUPINGS = ("team", "user", "model", "profile")
+#: Shares are stored as 32-bit numerator and denominator (both databases' INTEGER).
+MAX_SHARE_TERM = 2**31 - 1
+
+
+class HowEnded(StrEnum):
+    """How an interval ended (see `db.HOW_ENDED`)."""
+
+    STOPPED = "stopped"  # the user or an admin stopped the server, or the job finished
+    CULLED = "culled"  # the idle culler stopped it
+    FAILED = "failed"  # the spawn failed or the server died
+    PREEMPTED = "preempted"  # evicted for higher-priority work (deprioritized or preemptible profiles)
+    RECONCILED = "reconciled"  # the ledger closed it at its last heartbeat: nobody reported its end
+
+
+assert tuple(HowEnded) == db.HOW_ENDED
+
+
+class OpenResult(StrEnum):
+    OPENED = "opened"
+    EXISTS = "exists"  # the same interval was opened before: nothing changed
+
+
+class CloseResult(StrEnum):
+    CLOSED = "closed"
+    ALREADY_CLOSED = "already_closed"  # closed before (that first end stands): nothing changed
+    UNKNOWN = "unknown"  # no interval has this key: nothing changed
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One row of the ledger."""
+
+    key: str
+    user: str
+    team: str
+    profile: str
+    model: str
+    share: Fraction
+    start: datetime
+    end: datetime | None
+    how: str | None
+    last_seen: datetime
+    reserve: timedelta
+
+    @property
+    def is_open(self) -> bool:
+        return self.end is None
+
+    def gpu_hours(self, period: str, now: datetime | None = None) -> Fraction:
+        """This interval's GPU-hours in `period` (an open one counted up to `now`), in Python."""
+        end = self.end if self.end is not None else max(self.start, now or periods.utcnow())
+        return sum(
+            (periods.gpu_hours(self.share, piece.duration // timedelta(seconds=1))
+             for piece in periods.split_by_month(self.start, end) if piece.period == period),
+            Fraction(0),
+        )
+
+
+@dataclass(frozen=True)
+class UsageRow:
+    """GPU-hours of one user of one team on one model under one profile, in one period."""
+
+    team: str
+    user: str
+    model: str
+    profile: str
+    gpu_hours: Fraction
+
+
+@dataclass(frozen=True)
+class AdmissionResult:
+    """What `Ledger.admit` did: the decision, whether it opened the interval, and which alerts to send now."""
+
+    decision: Decision
+    opened: bool
+    alerts: tuple[Alert, ...]
+
+
+# --- checking what callers write ---------------------------------------------------------------------------
+
+
+def _text(value: Any, what: str, max_length: int) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what} must be a non-empty string, not {value!r}")
+    if len(value) > max_length:
+        raise ValueError(f"{what} {value[:40]!r}… is longer than {max_length} characters")
+    if "\x00" in value:
+        raise ValueError(f"{what} {value!r} contains a NUL character")
+    return value
+
+
+def _share(value: Any) -> Fraction:
+    """An exact share: Fraction, int or decimal text ("0.25", "1/7"); floats are refused as inexact."""
+    if isinstance(value, bool) or not isinstance(value, Fraction | int | str | Decimal):
+        raise ValueError(
+            f"share must be exact: a Fraction, an int, a Decimal or text such as '1/7' or '0.25', not {value!r}"
+        )
+    try:
+        share = Fraction(value)
+    except (ValueError, ZeroDivisionError):
+        raise ValueError(f"{value!r} is not a share (accepted: e.g. Fraction(1, 7), '0.25', 2)") from None
+    if share <= 0:
+        raise ValueError(f"share must be above 0, not {share}")
+    if share.numerator > MAX_SHARE_TERM or share.denominator > MAX_SHARE_TERM:
+        raise ValueError(f"share {share} has terms beyond 2^31 - 1; use a simpler fraction")
+    return share
+
+
+def _how(value: Any) -> HowEnded:
+    try:
+        return HowEnded(value)
+    except ValueError:
+        raise ValueError(
+            f"{value!r} is not how an interval ends (accepted: {', '.join(h.value for h in HowEnded)})"
+        ) from None
+
+
+def _seconds(moment: datetime, what: str) -> int:
+    return periods.to_epoch_seconds(moment, what)
+
+
+def _interval(row: Any) -> Interval:
+    return Interval(
+        row.key, row.user, row.team, row.profile, row.model, Fraction(row.share_num, row.share_den),
+        row.start_at, row.end_at, row.how, row.last_seen_at, timedelta(seconds=row.reserve_s),
+    )
+
+
+def _as_int(column: sa.ColumnElement[Any]) -> sa.ColumnElement[int]:
+    # Arithmetic on the stored seconds: bypass the datetime conversion of `UTCSeconds`.
+    return sa.type_coerce(column, sa.BigInteger)
+
+
+class Ledger:
+    """The ledger on one database. Thread-safe: share one per process."""
+
+    def __init__(self, url: str | sa.URL | sa.Engine, *, migrate: bool = True):
+        """Open the ledger at `url` (``sqlite:///PATH`` or ``postgresql+psycopg://…``).
+
+        `migrate=True` creates or upgrades the schema; with False the schema must already be current
+        (for read-only commands such as `gpupool bill`).
+        """
+        self.engine = url if isinstance(url, sa.Engine) else db.create_engine(url)
+        self.dialect = self.engine.dialect.name
+        path = self.engine.url.database
+        if not migrate and self.dialect == "sqlite" and path not in (None, "", ":memory:") and not Path(path).exists():
+            # Connecting would create an empty file where the caller expected a ledger.
+            raise ValueError(f"no ledger at {path} (the file does not exist); start the hub to create it, "
+                             "or give the URL of the hub's ledger")
+        if migrate:
+            db.migrate(self.engine)
+        else:
+            current, head = db.current_revision(self.engine), db.head_revision()
+            if current != head:
+                raise ValueError(
+                    f"the ledger at {self.engine.url.render_as_string(hide_password=True)} is at schema revision "
+                    f"{current or 'none (no ledger there)'}, this gpupool needs {head}; start the hub "
+                    "(or run Ledger(url, migrate=True)) to create or upgrade it"
+                )
+        self._writer = db.writer(self.engine)
+        self._insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Ledger:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.dispose()
+
+    # --- writing -------------------------------------------------------------------------------------
+
+    def open_interval(self, key: str, user: str, team: str, profile: str, model: str, share: Fraction,
+                      start: datetime, *, reserve: timedelta = timedelta(0)) -> OpenResult:
+        """Record that `user` of `team` holds `share` of a `model` card from `start` on.
+
+        Opening the same key again with the same facts is a no-op (`EXISTS`); with different facts it is
+        a ValueError (a key names one interval) and nothing is written.
+        """
+        values = self._interval_values(key, user, team, profile, model, share, start, reserve)
+        with self._writer.begin() as connection:
+            return self._open(connection, values)
+
+    @staticmethod
+    def _interval_values(key: str, user: str, team: str, profile: str, model: str, share: Any,
+                         start: datetime, reserve: timedelta) -> dict[str, Any]:
+        exact = _share(share)
+        if not isinstance(reserve, timedelta) or reserve < timedelta(0):
+            raise ValueError(f"reserve must be a timedelta of 0 or more, not {reserve!r}")
+        start = periods.ensure_utc(start, "start")
+        return {
+            "key": _text(key, "key", 255), "user": _text(user, "user", 255), "team": _text(team, "team", 63),
+            "profile": _text(profile, "profile", 63), "model": _text(model, "model", 63),
+            "share_num": exact.numerator, "share_den": exact.denominator,
+            "start_at": start, "end_at": None, "how": None, "last_seen_at": start,
+            "reserve_s": reserve // timedelta(seconds=1),
+        }
+
+    def _open(self, connection: sa.Connection, values: dict[str, Any]) -> OpenResult:
+        # RETURNING says whether this statement inserted the row (rowcount is unreliable with psycopg here).
+        inserted = connection.execute(
+            self._insert(INTERVALS).values(**values).on_conflict_do_nothing(index_elements=["key"])
+            .returning(INTERVALS.c.id)
+        ).first()
+        if inserted is not None:
+            return OpenResult.OPENED
+        existing = connection.execute(sa.select(INTERVALS).where(INTERVALS.c.key == values["key"])).one()
+        stored, asked = _interval(existing), _interval(_Values(values))
+        differ = [name for name in ("user", "team", "profile", "model", "share", "start")
+                  if getattr(stored, name) != getattr(asked, name)]
+        if differ:
+            raise ValueError(
+                f"key {values['key']!r} already names another interval (it differs in "
+                f"{', '.join(differ)}); use a new key for a new interval"
+            )
+        return OpenResult.EXISTS
+
+    def close_interval(self, key: str, end: datetime, how: HowEnded | str) -> CloseResult:
+        """Record that the interval `key` ended at `end`, and how. Idempotent: the first close stands."""
+        key, ended, end_s = _text(key, "key", 255), _how(how), _seconds(end, "end")
+        with self._writer.begin() as connection:
+            c = INTERVALS.c
+            updated = connection.execute(
+                INTERVALS.update()
+                .where(c.key == key, c.end_at.is_(None), _as_int(c.start_at) <= end_s)
+                .values(end_at=end, how=ended.value,
+                        last_seen_at=sa.case((_as_int(c.last_seen_at) < end_s, end_s),
+                                             else_=_as_int(c.last_seen_at)))
+            ).rowcount
+            if updated == 1:
+                return CloseResult.CLOSED
+            row = connection.execute(sa.select(c.start_at, c.end_at).where(c.key == key)).first()
+        if row is None:
+            return CloseResult.UNKNOWN
+        if row.end_at is not None:
+            return CloseResult.ALREADY_CLOSED
+        raise ValueError(f"end {end.isoformat()} of {key!r} is before its start {row.start_at.isoformat()}")
+
+    def heartbeat(self, key: str, seen_at: datetime) -> bool:
+        """Note that the holder of `key` was alive at `seen_at`; False when no open interval has that key."""
+        key, seen_s = _text(key, "key", 255), _seconds(seen_at, "seen_at")
+        c = INTERVALS.c
+        with self._writer.begin() as connection:
+            return connection.execute(
+                INTERVALS.update().where(c.key == key, c.end_at.is_(None))
+                .values(last_seen_at=sa.case((_as_int(c.last_seen_at) < seen_s, seen_s),
+                                             else_=_as_int(c.last_seen_at)))
+            ).rowcount == 1
+
+    def reconcile(self, stale_after: timedelta, now: datetime | None = None) -> list[str]:
+        """Close, at their last heartbeat, the open intervals not seen for `stale_after`; their keys.
+
+        For holders that vanished without a close event (a hub crash, a lost node).
+        """
+        if not isinstance(stale_after, timedelta) or stale_after <= timedelta(0):
+            raise ValueError(f"stale_after must be a positive timedelta, not {stale_after!r}")
+        cutoff = _seconds(now or periods.utcnow(), "now") - stale_after // timedelta(seconds=1)
+        c = INTERVALS.c
+        with self._writer.begin() as connection:
+            keys = connection.execute(
+                INTERVALS.update().where(c.end_at.is_(None), _as_int(c.last_seen_at) < cutoff)
+                .values(end_at=c.last_seen_at, how=HowEnded.RECONCILED.value)
+                .returning(c.key)
+            ).scalars().all()
+        return sorted(keys)
+
+    def claim_alerts(self, alerts: Iterable[Alert], now: datetime | None = None) -> list[Alert]:
+        """Record `alerts` as sent; the ones not recorded before, which the caller should now send.
+
+        At most once: concurrent callers claiming the same alert get it exactly once between them.
+        """
+        with self._writer.begin() as connection:
+            return self._claim(connection, alerts, now or periods.utcnow())
+
+    def _claim(self, connection: sa.Connection, alerts: Iterable[Alert], now: datetime) -> list[Alert]:
+        claimed = []
+        for alert in alerts:
+            inserted = connection.execute(
+                self._insert(ALERTS).values(team=alert.team, period=alert.period, scope=alert.scope,
+                                            threshold=alert.threshold_text, sent_at=now)
+                .on_conflict_do_nothing(index_elements=["team", "period", "scope", "threshold"])
+                .returning(ALERTS.c.id)
+            ).first()
+            if inserted is not None:
+                claimed.append(alert)
+        return claimed
+
+    def admit(self, policy: Policy, request: AdmissionRequest, key: str) -> AdmissionResult:
+        """Decide `request` and, when admitted, open its interval as `key` at `request.at`, atomically.
+
+        Holdings are the team's open intervals and usage the period's GPU-hours so far (open intervals
+        counting at least their reservation), both read under the team's admission lock. Asking again
+        with the key of an open interval changes nothing and answers `admit`. The alerts in the result
+        are the ones not sent before (claimed in the same transaction); send them.
+        """
+        resolved = resolve(policy, request)
+        key = _text(key, "key", 255)
+        period = periods.period_of(request.at)
+        with self._writer.begin() as connection:
+            connection.execute(self._insert(LOCKS).values(team=resolved.team).on_conflict_do_nothing())
+            # SQLite has no row locks (SQLAlchemy leaves FOR UPDATE out): BEGIN IMMEDIATE serialised us.
+            connection.execute(sa.select(LOCKS.c.team).where(LOCKS.c.team == resolved.team).with_for_update())
+            existing = connection.execute(sa.select(INTERVALS).where(INTERVALS.c.key == key)).first()
+            if existing is not None:
+                if existing.end_at is not None:
+                    raise ValueError(f"key {key!r} names an interval that has ended; use a new key")
+                again = Decision("admit", f"already admitted: interval {key!r} is open", resolved.priority,
+                                 resolved.preemptible, (), period)
+                return AdmissionResult(again, False, ())
+            team_open = connection.execute(
+                sa.select(INTERVALS).where(INTERVALS.c.team == resolved.team, INTERVALS.c.end_at.is_(None))
+            ).all()
+            holdings = Holdings.of(_interval(row) for row in team_open)
+            usage = self._usage(connection, period, request.at, team=resolved.team)
+            decision = decide(policy, request, holdings, usage)
+            opened = False
+            if decision.admitted and resolved.model is not None and resolved.share > 0:
+                values = self._interval_values(key, resolved.user, resolved.team, resolved.profile,
+                                               resolved.model, resolved.share, request.at, request.reserve)
+                opened = self._open(connection, values) is OpenResult.OPENED
+            alerts = self._claim(connection, decision.alerts, request.at)
+        return AdmissionResult(decision, opened, tuple(alerts))
+
+    # --- reading ---------------------------------------------------------------------------------------------
+
+    def interval(self, key: str) -> Interval | None:
+        with self.engine.connect() as connection:
+            row = connection.execute(sa.select(INTERVALS).where(INTERVALS.c.key == key)).first()
+        return None if row is None else _interval(row)
+
+    def open_intervals(self, team: str | None = None) -> list[Interval]:
+        query = sa.select(INTERVALS).where(INTERVALS.c.end_at.is_(None)).order_by(INTERVALS.c.start_at,
+                                                                                   INTERVALS.c.key)
+        if team is not None:
+            query = query.where(INTERVALS.c.team == team)
+        with self.engine.connect() as connection:
+            return [_interval(row) for row in connection.execute(query)]
+
+    def holdings(self) -> Holdings:
+        """What is held now, from the open intervals."""
+        return Holdings.of(self.open_intervals())
+
+    def gpu_hours(self, period: str, by: Sequence[str] = ("team",), *, team: str | None = None,
+                  now: datetime | None = None) -> dict[tuple[str, ...], Fraction]:
+        """GPU-hours used in `period`, summed by the columns `by` (of team, user, model, profile).
+
+        Open intervals count up to `now`; everything is clipped to the period. `by=()` gives the total
+        under the key ``()``.
+        """
+        unknown = [name for name in by if name not in GROUPINGS]
+        if unknown or len(set(by)) != len(by):
+            raise ValueError(f"cannot sum by {list(by)} (accepted: any of {', '.join(GROUPINGS)}, each once)")
+        with self.engine.connect() as connection:
+            return self._sum(connection, period, now or periods.utcnow(), tuple(by), team=team)
+
+    def usage_rows(self, period: str, *, team: str | None = None, now: datetime | None = None) -> list[UsageRow]:
+        """GPU-hours per team, user, model and profile in `period`: what bills are made of."""
+        sums = self.gpu_hours(period, GROUPINGS, team=team, now=now)
+        return [UsageRow(*names, hours) for names, hours in sorted(sums.items())]
+
+    def usage(self, period: str, now: datetime | None = None) -> Usage:
+        """GPU-hours counted against budgets in `period` (open intervals count at least their reservation)."""
+        with self.engine.connect() as connection:
+            return self._usage(connection, period, now or periods.utcnow())
+
+    def _usage(self, connection: sa.Connection, period: str, now: datetime, team: str | None = None) -> Usage:
+        sums = self._sum(connection, period, now, ("team", "model"), team=team, reserving=True)
+        per_team: dict[str, Fraction] = {}
+        for (name, _model), hours in sums.items():
+            per_team[name] = per_team.get(name, Fraction(0)) + hours
+        return Usage(period, per_team, {(name, model): hours for (name, model), hours in sums.items()})
+
+    def _sum(self, connection: sa.Connection, period: str, now: datetime, by: tuple[str, ...], *,
+             team: str | None = None, reserving: bool = False) -> dict[tuple[str, ...], Fraction]:
+        """Σ share × clipped seconds, grouped by `by`, in exact integers per share denominator."""
+        period_start, period_end = (_seconds(t, "period") for t in periods.period_bounds(period))
+        now_s = _seconds(now, "now")
+        c = INTERVALS.c
+        start, end = _as_int(c.start_at), _as_int(c.end_at)
+        # An open interval runs until now; for budgets, at least until the end of its reservation.
+        until: sa.ColumnElement[int] = sa.literal(now_s, sa.BigInteger)
+        if reserving:
+            until = sa.case((start + c.reserve_s > now_s, start + c.reserve_s), else_=now_s)
+        effective_end = sa.func.coalesce(end, until)
+        high = sa.case((effective_end < period_end, effective_end), else_=period_end)
+        low = sa.case((start > period_start, start), else_=period_start)
+        groups = [c[name] for name in by]
+        query = (
+            sa.select(*groups, c.share_den, sa.func.sum((high - low) * c.share_num).label("weighted"))
+            .where(start < period_end, sa.or_(end.is_(None), end > period_start), high > low)
+            .group_by(*groups, c.share_den)
+        )
+        if team is not None:
+            query = query.where(c.team == team)
+        sums: dict[tuple[str, ...], Fraction] = {}
+        for row in connection.execute(query):
+            names = tuple(row[: len(by)])
+            # PostgreSQL's SUM(bigint) is NUMERIC (a Decimal here): int() of it is exact.
+            hours = Fraction(int(row.weighted), row.share_den * periods.SECONDS_PER_HOUR)
+            sums[names] = sums.get(names, Fraction(0)) + hours
+        if not by and not sums:
+            sums[()] = Fraction(0)
+        return sums
+
+
+class _Values:
+    """Column values about to be written, read like a row (times at the ledger's whole seconds)."""
+
+    def __init__(self, values: dict[str, Any]):
+        for name, value in values.items():
+            if isinstance(value, datetime):
+                value = periods.from_epoch_seconds(periods.to_epoch_seconds(value))
+            setattr(self, name, value)

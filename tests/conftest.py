@@ -1,0 +1,133 @@
+"""Fixtures the whole suite may use: real databases, a SQLite file and a throwaway PostgreSQL server.
+
+`database_url` runs a test once against SQLite and once against PostgreSQL (each time a new, empty
+database). The PostgreSQL server is started once per session from the machine's own `initdb` and
+`pg_ctl` (through `runuser -u postgres` when the tests run as root: initdb refuses root), on a free
+port, and stopped at the end. Without PostgreSQL the PostgreSQL cases skip and say why; set
+GPUPOOL_REQUIRE_POSTGRES=1 (CI does) to make that a failure instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+PG_TOOLS = ("initdb", "pg_ctl")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "postgresql: runs against a real PostgreSQL server started by the tests")
+
+
+def find_postgres_bin() -> Path | None:
+    """The folder holding initdb and pg_ctl: on PATH, else the newest /usr/lib/postgresql/*/bin."""
+    found = [shutil.which(tool) for tool in PG_TOOLS]
+    if all(found):
+        return Path(found[0]).resolve().parent  # type: ignore[arg-type]
+    candidates = sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name)
+                        if p.parent.name.isdigit() else 0, reverse=True)
+    return next((c for c in candidates if all((c / tool).exists() for tool in PG_TOOLS)), None)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class PostgresServer:
+    """A running PostgreSQL server owned by this test session (trust authentication, user postgres)."""
+
+    bin: Path
+    root: Path
+    port: int
+    user: str = "postgres"
+    _names: Iterator[int] = field(default_factory=itertools.count)
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql+psycopg://{self.user}@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self, prefix: str = "test") -> str:
+        """A new empty database; its SQLAlchemy URL."""
+        import psycopg
+
+        name = f"{prefix}_{os.getpid()}_{next(self._names)}"
+        with psycopg.connect(f"host=127.0.0.1 port={self.port} user={self.user} dbname=postgres",
+                             autocommit=True) as connection:
+            connection.execute(f'CREATE DATABASE "{name}"')
+        return self.url(name)
+
+
+def _run(command: list[str], as_postgres: bool) -> subprocess.CompletedProcess[str]:
+    if as_postgres:
+        command = ["runuser", "-u", "postgres", "--", *command]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("GPUPOOL_REQUIRE_POSTGRES"):
+        pytest.fail(f"GPUPOOL_REQUIRE_POSTGRES is set but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    bin_dir = find_postgres_bin()
+    if bin_dir is None:
+        _unavailable("PostgreSQL is not installed (no initdb and pg_ctl on PATH or in /usr/lib/postgresql/*/bin); "
+                     "install it, e.g. apt-get install postgresql")
+    as_postgres = os.geteuid() == 0
+    if as_postgres:
+        try:
+            account = pwd.getpwnam("postgres")
+        except KeyError:
+            _unavailable("the tests run as root, initdb refuses root, and there is no 'postgres' user to run it as")
+    # Not under pytest's tmp_path: its parents are private to root, and the server runs as postgres.
+    root = Path(tempfile.mkdtemp(prefix="gpupool-pg-"))
+    if as_postgres:
+        os.chown(root, account.pw_uid, account.pw_gid)
+    data = root / "data"
+    try:
+        done = _run([str(bin_dir / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "-E", "UTF8",
+                     "--no-sync"], as_postgres)
+        if done.returncode != 0:
+            pytest.fail(f"initdb failed:\n{done.stdout}\n{done.stderr}")
+        for _attempt in range(3):  # the free port may be taken between finding and binding it
+            port = free_port()
+            # Durability buys nothing in a throwaway test server; turning it off keeps the suite fast.
+            options = (f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off "
+                       "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+            done = _run([str(bin_dir / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(root / "server.log"),
+                         "-w", "-t", "60", "start"], as_postgres)
+            if done.returncode == 0:
+                break
+        else:
+            log = (root / "server.log").read_text() if (root / "server.log").exists() else ""
+            pytest.fail(f"pg_ctl start failed:\n{done.stdout}\n{done.stderr}\n{log}")
+        server = PostgresServer(bin_dir, root, port)
+        try:
+            yield server
+        finally:
+            _run([str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "-w", "stop"], as_postgres)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgresql)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A URL of a new, empty database: a SQLite file, then a PostgreSQL database."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'test.sqlite'}"
+    server: PostgresServer = request.getfixturevalue("postgres_server")
+    return server.create_database()
