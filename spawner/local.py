@@ -13,28 +13,64 @@ import pwd
 import shutil
 import subprocess
 import sys
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner
 from tornado import web
 from traitlets import Unicode, default
 
+from gpupool.hub.accounting import periods
+from gpupool.hub.accounting.admission import AdmissionRequest, Holdings
+from gpupool.hub.accounting.admission import decide as admission_decision
+from gpupool.hub.accounting.ledger import HowEnded, Ledger
+from gpupool.policies.model import Policy
 from gpupool.spawner.mixin import Choice, GPUPoolSpawnerMixin
 from gpupool.spawner.pool import (
-    AllocationStore, Denied, LocalPool, QueueTimeout, Request, discover_cards, process_alive, process_start_time,
+    AllocationStore, Decide, Denied, LocalPool, QueueTimeout, Request, Verdict, discover_cards, process_alive,
+    process_start_time,
 )
 from gpupool.spawner.resources import profile_share
 
 _pools: dict[str, LocalPool] = {}
+_ledgers: dict[str, Ledger] = {}
 
 
-def get_pool(state_dir: str, policy) -> LocalPool:
+def get_ledger(state_dir: str) -> Ledger:
+    """The embedded mode's usage ledger (SQLite in the state folder), one per process."""
+    ledger = _ledgers.get(state_dir)
+    if ledger is None:
+        Path(state_dir).mkdir(parents=True, exist_ok=True)
+        ledger = _ledgers[state_dir] = Ledger(f"sqlite:///{Path(state_dir) / 'ledger.sqlite'}")
+    return ledger
+
+
+def admission(policy_of: Callable[[], Policy], ledger: Ledger, log) -> Decide:
+    """The accounting's admission decision for the pool's queue: quotas wait, budgets follow on_exhausted."""
+
+    def decide(request: Request, holdings: Holdings) -> Verdict:
+        now = periods.utcnow()
+        decision = admission_decision(
+            policy_of(), AdmissionRequest(user=request.user, team=request.team, at=now, profile=request.profile),
+            holdings, ledger.usage(periods.period_of(now), now),
+        )
+        if decision.admitted and decision.alerts:
+            for alert in ledger.claim_alerts(decision.alerts, now):
+                log.warning("gpupool budget alert: %s", alert.message)
+        return Verdict(decision.action, "" if decision.admitted else decision.reason, decision.priority)
+
+    return decide
+
+
+def get_pool(state_dir: str, policy_of: Callable[[], Policy], log) -> LocalPool:
     """The hub process's pool for `state_dir` (one per process: the queue lives in memory)."""
     pool = _pools.get(state_dir)
     if pool is None:
         Path(state_dir).mkdir(parents=True, exist_ok=True)
-        cards, source = discover_cards(policy)
-        pool = LocalPool(cards, AllocationStore(Path(state_dir) / "allocations.sqlite"))
+        cards, source = discover_cards(policy_of())
+        decide = admission(policy_of, get_ledger(state_dir), log)
+        pool = LocalPool(cards, AllocationStore(Path(state_dir) / "allocations.sqlite"), decide)
         pool.devices_are_real = source == "nvml"
         _pools[state_dir] = pool
     return pool
@@ -167,9 +203,15 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     def pool_key(self) -> str:
         return f"{self.user.name}/{self.name}"
 
+    usage_key: str | None = None  # the ledger interval of the running server
+
     @property
     def pool(self) -> LocalPool:
-        return get_pool(self.state_dir, self.policy)
+        return get_pool(self.state_dir, lambda: self.policy, self.log)
+
+    @property
+    def ledger(self) -> Ledger:
+        return get_ledger(self.state_dir)
 
     # --- traits from the choice -----------------------------------------------------------------------
 
@@ -265,6 +307,11 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         self.pid_started = process_start_time(self.pid)
         if self.allocation_key:
             self.pool.store.mark_running(self.allocation_key, self.pid)
+            self.usage_key = f"{self.pool_key}@{uuid.uuid4().hex}"
+            self.ledger.open_interval(
+                self.usage_key, self.user.name, choice.team, choice.slug, choice.profile.gpu.model,
+                profile_share(choice.profile, self.policy), periods.utcnow(),
+            )
         return ip_port
 
     async def progress(self):
@@ -287,21 +334,31 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         # Checked before JupyterHub's own `kill(pid, 0)`, which a zombie or a reused PID would pass.
         if self.pid and not process_alive(self.pid, self.pid_started):
             self.log.warning("%s (PID %s) is gone; freeing its share", self._log_name, self.pid)
+            self._free(HowEnded.FAILED)  # JupyterHub does not call stop() for a server that is already gone
             self.clear_state()
-            self._free()  # JupyterHub does not call stop() for a server that is already gone
             return 1
         status = await super().poll()
         if status is not None and self.allocation_key and not self._spawn_pending:
-            self._free()
+            self._free(HowEnded.FAILED)
+        elif status is None and self.usage_key:
+            self.ledger.heartbeat(self.usage_key, periods.utcnow())
         return status
 
     async def stop(self, now=False):
         try:
             await super().stop(now=now)
         finally:
-            self._free()
+            self._free(HowEnded.STOPPED)
 
-    def _free(self) -> None:
+    def _free(self, how: HowEnded = HowEnded.FAILED) -> None:
+        """Give the share back and close the server's usage interval (both idempotent)."""
+        if self.usage_key:
+            end = periods.utcnow()
+            interval = self.ledger.interval(self.usage_key)
+            if how is HowEnded.FAILED and interval is not None:
+                end = interval.last_seen  # it died unseen: count it until it was last seen alive
+            self.ledger.close_interval(self.usage_key, end, how)
+            self.usage_key = None
         self.pool.release(self.pool_key)
         self.allocation_key, self.allocation_cards = None, ()
 
@@ -313,6 +370,8 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             state["pid_started"] = self.pid_started
         if self.allocation_key:
             state["allocation"] = {"key": self.allocation_key, "cards": list(self.allocation_cards)}
+        if self.usage_key:
+            state["usage_key"] = self.usage_key
         if self.gpupool_choice:
             state["choice"] = {"profile": self.gpupool_choice.slug, "team": self.gpupool_choice.team,
                                "image": self.gpupool_choice.image}
@@ -321,6 +380,7 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     def load_state(self, state):
         super().load_state(state)
         self.pid_started = state.get("pid_started")
+        self.usage_key = state.get("usage_key")
         allocation = state.get("allocation")
         if allocation:
             self.allocation_key, self.allocation_cards = allocation["key"], tuple(allocation["cards"])
@@ -331,5 +391,4 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     def clear_state(self):
         super().clear_state()
-        self.pid_started = None
-        self.allocation_key, self.allocation_cards = None, ()
+        self.pid_started = None  # the share and the usage interval are given back by _free(), not here

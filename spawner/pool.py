@@ -23,6 +23,7 @@ from typing import Literal
 import psutil
 import sqlalchemy as sa
 
+from gpupool.hub.accounting.admission import Holdings, format_share
 from gpupool.policies.model import Policy
 
 log = logging.getLogger("gpupool.pool")
@@ -301,25 +302,6 @@ class Request:
 
 
 @dataclass(frozen=True)
-class Holdings:
-    """What is held right now, in card units: per team, per team and model, per user."""
-
-    team: dict[str, Fraction] = field(default_factory=dict)
-    team_model: dict[tuple[str, str], Fraction] = field(default_factory=dict)
-    user: dict[str, Fraction] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, allocations: Iterable[Allocation]) -> Holdings:
-        holdings = cls()
-        for a in allocations:
-            holdings.team[a.team] = holdings.team.get(a.team, Fraction(0)) + a.share
-            key = (a.team, a.model)
-            holdings.team_model[key] = holdings.team_model.get(key, Fraction(0)) + a.share
-            holdings.user[a.user] = holdings.user.get(a.user, Fraction(0)) + a.share
-        return holdings
-
-
-@dataclass(frozen=True)
 class Verdict:
     """The admission decision for one request given the current holdings."""
 
@@ -360,12 +342,6 @@ class Ticket:
         r = self.request
         return (f'Waiting for {r.display_name}: position {self.position} of {self.of} in queue "{r.team}"'
                 + (f" ({self.reason})" if self.reason else ""))
-
-
-def format_share(share: Fraction) -> str:
-    """1/4 → '0.25', 1/7 → '0.143', 2 → '2.0' (for people; exact values stay Fractions)."""
-    text = f"{float(share):.3f}".rstrip("0")
-    return text + "0" if text.endswith(".") else text
 
 
 class LocalPool:

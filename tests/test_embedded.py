@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import psutil
 import pytest
 
+from gpupool.hub.accounting.ledger import Ledger
+from gpupool.hub.accounting.periods import period_of, utcnow
 from gpupool.hub.harness import Hub
 from gpupool.spawner.pool import AllocationStore
 
@@ -29,7 +31,7 @@ inventory:
     "teams.yaml": """
 teams:
   vision: {priority: 100, quota: {gpus: 10, per_user_gpus: 10}}
-  nlp: {priority: 50, quota: {gpus: 10, per_user_gpus: 10}}
+  nlp: {priority: 50, quota: {gpus: 0.5, per_user_gpus: 0.5}}
 """,
     "profiles.yaml": """
 profiles:
@@ -78,6 +80,29 @@ def test_quarter_share_reaches_the_kernel(hub):
     while hub.server("alice") and time.monotonic() < deadline:
         time.sleep(0.3)
     assert "alice/" not in hub.allocations()
+    ledger = Ledger(f"sqlite:///{hub.state / 'ledger.sqlite'}", migrate=False)
+    assert not [i for i in ledger.open_intervals() if i.user == "alice"]
+    (interval,) = [i for i in ledger.usage_rows(period_of(utcnow())) if i.user == "alice"]
+    assert interval.model == "H200" and interval.profile == "h200-quarter" and interval.gpu_hours > 0
+
+
+def test_team_quota_makes_the_next_spawn_wait(hub):
+    for n in (1, 2, 3):
+        hub.add_user(f"q{n}", "nlp")
+    for n in (1, 2):
+        assert hub.api("POST", f"/users/q{n}/server", json={"profile": "h200-quarter"}).status_code in (201, 202)
+        hub.wait_ready(f"q{n}")
+    assert hub.api("POST", "/users/q3/server", json={"profile": "h200-quarter"}).status_code in (201, 202)
+    events = hub.progress_until("q3", lambda e: "position" in e.get("message", ""))
+    assert events[-1]["message"] == (
+        'Waiting for 0.25 × H200: position 1 of 1 in queue "nlp" (team "nlp" holds 0.5 of 0.5 GPUs (quota))'
+    )
+    assert "q3/" not in hub.allocations(), "the cards have room: only the quota holds q3 back"
+    hub.stop_server("q1")
+    hub.wait_ready("q3")
+    for n in (2, 3):
+        hub.stop_server(f"q{n}")
+    assert not [k for k in hub.allocations() if k.startswith("q")]
 
 
 @pytest.mark.parametrize(
@@ -131,7 +156,7 @@ def test_twelve_quarter_spawns_eight_run_four_queue(hub):
         events = hub.progress_until(user, lambda e: "position" in e.get("message", ""))
         message = events[-1]["message"]
         assert message.startswith("Waiting for 0.25 × H200: position "), message
-        assert 'in queue "vision" (no H200 has 0.25 free: 2.0 of 2 allocated)' in message
+        assert 'in queue "vision" (no H200 has 0.25 free: 2 of 2 allocated)' in message
         positions[user] = int(message.split("position ")[1].split(" of ")[0])
     assert sorted(positions.values()) == [1, 2, 3, 4]
 
@@ -172,3 +197,5 @@ def test_hub_restart_readopts_running_servers_and_cleans_up_dead_ones(hub):
     while hub.server(kill) is not None and time.monotonic() < deadline:
         time.sleep(0.5)
     assert hub.server(kill) is None
+    open_users = {i.user for i in Ledger(f"sqlite:///{hub.state / 'ledger.sqlite'}", migrate=False).open_intervals()}
+    assert keep in open_users and kill not in open_users, "the dead server's usage interval is closed"

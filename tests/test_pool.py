@@ -12,9 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpupool.hub.accounting.admission import Holdings
 from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
 from gpupool.spawner.pool import (
-    AllocationStore, Card, Denied, Holdings, LocalPool, QueueTimeout, Request, Verdict, declared_cards,
+    AllocationStore, Card, Denied, LocalPool, QueueTimeout, Request, Verdict, declared_cards,
     match_model, place,
 )
 
