@@ -43,6 +43,22 @@ def _team_add_member(args: argparse.Namespace) -> int:
     return team_add_member(args)
 
 
+def _bill(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from gpupool.hub.accounting.bills import bill_command
+    from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError, load_policy
+
+    try:
+        policy = load_policy(args.policies or DEFAULT_POLICY_DIR)
+        ledger = args.ledger or f"sqlite:///{Path(args.state_dir).resolve() / 'ledger.sqlite'}"
+        print(bill_command(ledger, policy, args.team, args.period, args.format), end="")
+    except (PolicyError, ValueError) as error:
+        print(f"gpupool bill: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gpupool", description="A shared, metered GPU pool behind JupyterHub.")
     parser.add_argument("--version", action="version", version=f"gpupool {__version__}")
@@ -68,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--authenticator", default="native",
                     help="JupyterHub authenticator class (default: native, gpupool's NativeAuthenticator)")
     up.set_defaults(func=_up)
+
+    bill = commands.add_parser("bill", help="a team's bill for one month, from the usage ledger")
+    bill.add_argument("--team", required=True)
+    bill.add_argument("--period", required=True, help="the month, YYYY-MM (UTC)")
+    bill.add_argument("--format", default="csv", choices=["csv", "html", "json"])
+    bill.add_argument("--policies", help="policy directory with the prices (default: the shipped policies)")
+    bill.add_argument("--state-dir", default="state", help="state directory of the platform (its ledger.sqlite)")
+    bill.add_argument("--ledger", help="ledger database URL instead (e.g. postgresql+psycopg://…)")
+    bill.set_defaults(func=_bill)
 
     team = commands.add_parser("team", help="manage team membership")
     team_commands = team.add_subparsers(dest="team_command", required=True, metavar="SUBCOMMAND")
