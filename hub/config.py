@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpupool.hub.accounting.service import SERVICE_SCOPES as ACCOUNTING_SCOPES
 from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +34,10 @@ class Settings:
     @property
     def proxy_api_port(self) -> int:
         return self.port + 2
+
+    @property
+    def accounting_port(self) -> int:
+        return self.port + 3
 
     @property
     def url(self) -> str:
@@ -103,8 +108,20 @@ def apply_config(c, settings: Settings) -> None:
     }
     token_file = state / "cli-token"
     services = [{"name": "gpupool-cli", "api_token": token_file.read_text().strip()}] if token_file.exists() else []
+    roles = [{"name": "gpupool-cli", "description": "gpupool team add-member", "scopes": CLI_SCOPES,
+              "services": ["gpupool-cli"]}] if services else []
+    # The accounting service: usage, budgets, bills, metrics (hub-managed, least-privilege role).
+    services.append({
+        "name": "accounting",
+        "url": f"http://127.0.0.1:{settings.accounting_port}",
+        "command": [sys.executable, "-m", "gpupool.hub.accounting.service"],
+        "environment": {"GPUPOOL_STATE_DIR": str(state), "GPUPOOL_POLICIES": str(settings.policy_dir)},
+        "oauth_no_confirm": True,
+        "display": True,
+    })
+    roles.append({"name": "gpupool-accounting", "description": "gpupool-accounting reads team membership",
+                  "scopes": ACCOUNTING_SCOPES, "services": ["accounting"]})
+    # Every user may use the accounting pages; what they see there is decided by the service.
+    roles.append({"name": "user", "scopes": ["self", "access:services!service=accounting"]})
     c.JupyterHub.services = services + list(settings.extra_services)
-    c.JupyterHub.load_roles = [
-        {"name": "gpupool-cli", "description": "gpupool team add-member", "scopes": CLI_SCOPES,
-         "services": ["gpupool-cli"]},
-    ] if services else []
+    c.JupyterHub.load_roles = roles

@@ -29,7 +29,7 @@ def service_config(token: str, extra: str = "") -> str:
 c.JupyterHub.services.append({{"name": "harness", "api_token": {token!r}}})
 c.JupyterHub.load_roles.append({{
     "name": "harness",
-    "scopes": ["admin:users", "admin:servers", "access:servers", "admin:groups", "read:users"],
+    "scopes": ["admin:users", "admin:servers", "access:servers", "admin:groups", "read:users", "tokens"],
     "services": ["harness"],
 }})
 {extra}

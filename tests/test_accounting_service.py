@@ -1,0 +1,136 @@
+"""The `gpupool-accounting` service behind a real JupyterHub: who sees what, bills, metrics, bad input.
+
+The hub (started by `gpupool up`) runs the service as a managed service; requests go through the real
+proxy with real JupyterHub tokens of real hub users. The ledger is seeded directly with known intervals.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from fractions import Fraction
+
+import pytest
+import requests
+
+from gpupool.hub.accounting.ledger import Ledger
+from gpupool.hub.accounting.periods import period_of, utcnow
+from gpupool.hub.harness import Hub
+
+POLICY = {
+    "policy.yaml": """
+models:
+  H200: {vendor: nvidia, memory_gib: 141, backends: [hami]}
+inventory: [{model: H200, count: 2}]
+teams:
+  vision: {members: [alice, lena], leads: [lena], budget: {gpu_hours: 100}}
+  nlp: {members: [nadia], budget: {gpu_hours: 50, on_exhausted: deny}}
+profiles:
+  h200-quarter: {display_name: 0.25 × H200, gpu: {model: H200, share: 0.25}, teams: [vision, nlp]}
+billing: {prices: {H200: '3.20'}}
+""",
+}
+SELF = 'c.LocalGPUSpawner.run_as = "self"\n'
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    hub = Hub(tmp_path_factory.mktemp("accounting"), POLICY, SELF)
+    hub.start()
+    now = utcnow().replace(microsecond=0)
+    # Two finished intervals and a running one, all this month (the first hours of a month are enough).
+    start = max(now - timedelta(hours=10), now.replace(day=1, hour=0, minute=0, second=0))
+    ledger = Ledger(f"sqlite:///{hub.state / 'ledger.sqlite'}")
+    ledger.open_interval("alice-1", "alice", "vision", "h200-quarter", "H200", Fraction(1, 4), start)
+    ledger.close_interval("alice-1", start + timedelta(seconds=7200), "stopped")  # 0.5 GPU-h
+    ledger.open_interval("lena-1", "lena", "vision", "h200-quarter", "H200", Fraction(1, 4), start)
+    ledger.close_interval("lena-1", start + timedelta(seconds=3600), "stopped")  # 0.25 GPU-h
+    ledger.open_interval("nadia-1", "nadia", "nlp", "h200-quarter", "H200", Fraction(1, 4), start)
+    ledger.dispose()
+    yield hub
+    hub.stop()
+
+
+def token_of(hub: Hub, user: str) -> str:
+    hub.api("POST", f"/users/{user}")
+    reply = hub.api("POST", f"/users/{user}/tokens", json={"note": "test"})
+    assert reply.status_code == 201, reply.text
+    return reply.json()["token"]
+
+
+def get(hub: Hub, user: str | None, path: str, **kw) -> requests.Response:
+    headers = {"Authorization": f"token {token_of(hub, user)}"} if user else {}
+    return requests.get(f"{hub.url}/services/accounting/{path}", headers=headers, timeout=30,
+                        allow_redirects=False, **kw)
+
+
+def test_a_member_sees_own_usage_and_team_totals(hub):
+    me = get(hub, "alice", "api/me")
+    assert me.status_code == 200, me.text
+    body = me.json()
+    assert body["user"] == "alice" and body["gpu_hours"] == "0.5"
+    (vision,) = body["teams"]
+    assert vision["team"] == "vision" and vision["gpu_hours"] == "0.75" and "users" not in vision
+    assert vision["budget_gpu_hours"] == "100"
+
+
+def test_a_lead_sees_the_members_and_the_bill(hub):
+    team = get(hub, "lena", "api/teams/vision").json()
+    assert team["users"] == {"alice": "0.5", "lena": "0.25"}
+    bill = get(hub, "lena", "api/teams/vision/bill", params={"format": "json"})
+    assert bill.status_code == 200, bill.text
+    assert bill.json()["total"] == "2.40"  # 0.75 GPU-hours × 3.20
+    csv = get(hub, "lena", "api/teams/vision/bill", params={"format": "csv"})
+    assert csv.headers["Content-Type"].startswith("text/csv") and "alice" in csv.text
+
+
+@pytest.mark.parametrize("path", ["api/teams/nlp", "api/teams/nlp/bill", "api/teams/vision/bill",
+                                  "api/teams/robotics"])
+def test_other_teams_data_is_not_found(hub, path):
+    reply = get(hub, "alice", path)
+    assert reply.status_code == 404
+    assert "nadia" not in reply.text
+
+
+@pytest.mark.parametrize("path", ["api/teams", "metrics"])
+def test_admin_routes_are_forbidden_to_members(hub, path):
+    assert get(hub, "nadia", path).status_code == 403
+
+
+def test_admin_sees_all_teams_utilisation_and_metrics(hub):
+    teams = get(hub, "admin", "api/teams")
+    assert teams.status_code == 200, teams.text
+    body = teams.json()
+    assert [t["team"] for t in body["teams"]] == ["vision", "nlp"]
+    assert body["utilisation"]["H200"]["allocated_gpu_hours"] != "0"
+    metrics = get(hub, "admin", "metrics").text
+    assert 'gpupool_allocated_shares{model="H200",team="nlp"} 0.25' in metrics
+    assert 'gpupool_budget_used_ratio{team="vision"} 0.0075' in metrics
+
+
+def test_bad_input_gets_4xx(hub):
+    assert get(hub, "alice", "api/me", params={"period": "2026-13"}).status_code == 400
+    assert get(hub, "lena", "api/teams/vision/bill", params={"format": "pdf"}).status_code == 400
+    big = requests.request("GET", f"{hub.url}/services/accounting/api/me", data=b"x" * 200_000, timeout=30,
+                           headers={"Authorization": f"token {token_of(hub, 'alice')}"})
+    assert big.status_code in (400, 413)
+
+
+def test_browser_without_login_goes_to_the_hub_login(hub):
+    reply = get(hub, None, "")
+    assert reply.status_code == 302
+    assert "/hub/api/oauth2/authorize" in reply.headers["Location"] or "/hub/login" in reply.headers["Location"]
+
+
+def test_page_shows_charts(hub):
+    page = get(hub, "lena", "")
+    assert page.status_code == 200
+    assert page.text.count("<svg") == 2 and "Members of vision" in page.text
+
+
+def test_openapi_description(hub):
+    spec = requests.get(f"{hub.url}/services/accounting/openapi.json", timeout=30).json()
+    assert {"/api/me", "/api/teams/{team}/bill", "/metrics"} <= set(spec["paths"])
+
+
+def test_period_is_current_month(hub):
+    assert get(hub, "alice", "api/me").json()["period"] == period_of(utcnow())
