@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner
+from prometheus_client import Counter
 from tornado import web
 from traitlets import Unicode, default
 
@@ -35,6 +36,8 @@ from gpupool.spawner.resources import profile_share
 
 _pools: dict[str, LocalPool] = {}
 _ledgers: dict[str, Ledger] = {}
+
+LEDGER_WRITE_ERRORS = Counter("gpupool_ledger_write_errors", "Usage ledger writes that failed", ["operation"])
 
 
 def get_ledger(state_dir: str) -> Ledger:
@@ -307,12 +310,23 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         self.pid_started = process_start_time(self.pid)
         if self.allocation_key:
             self.pool.store.mark_running(self.allocation_key, self.pid)
-            self.usage_key = f"{self.pool_key}@{uuid.uuid4().hex}"
-            self.ledger.open_interval(
-                self.usage_key, self.user.name, choice.team, choice.slug, choice.profile.gpu.model,
-                profile_share(choice.profile, self.policy), periods.utcnow(),
-            )
+            self._open_usage(periods.utcnow())
         return ip_port
+
+    def _ledger(self, operation: str, call, *args):
+        """A ledger write; a failure is counted and logged, and never takes the user's server down."""
+        try:
+            return call(*args)
+        except Exception:
+            LEDGER_WRITE_ERRORS.labels(operation).inc()
+            self.log.exception("gpupool ledger %s failed for %s", operation, self._log_name)
+            return None
+
+    def _open_usage(self, start) -> None:
+        choice = self.gpupool_choice
+        self.usage_key = f"{self.pool_key}@{uuid.uuid4().hex}"
+        self._ledger("open", self.ledger.open_interval, self.usage_key, self.user.name, choice.team, choice.slug,
+                     choice.profile.gpu.model, profile_share(choice.profile, self.policy), start)
 
     async def progress(self):
         yield {"progress": 5, "message": "Checking the profile against your teams' quotas and the pool"}
@@ -341,7 +355,12 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         if status is not None and self.allocation_key and not self._spawn_pending:
             self._free(HowEnded.FAILED)
         elif status is None and self.usage_key:
-            self.ledger.heartbeat(self.usage_key, periods.utcnow())
+            now = periods.utcnow()
+            if self._ledger("heartbeat", self.ledger.heartbeat, self.usage_key, now) is False:
+                # Closed by reconciliation while nobody reported (the hub was down) although the server ran
+                # on: continue from where that interval ended, so that no GPU-second is lost or counted twice.
+                old = self.ledger.interval(self.usage_key)
+                self._open_usage(old.end if old is not None and old.end is not None else now)
         return status
 
     async def stop(self, now=False):
@@ -357,7 +376,7 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             interval = self.ledger.interval(self.usage_key)
             if how is HowEnded.FAILED and interval is not None:
                 end = interval.last_seen  # it died unseen: count it until it was last seen alive
-            self.ledger.close_interval(self.usage_key, end, how)
+            self._ledger("close", self.ledger.close_interval, self.usage_key, end, how)
             self.usage_key = None
         self.pool.release(self.pool_key)
         self.allocation_key, self.allocation_cards = None, ()

@@ -22,11 +22,17 @@ from typing import Literal
 
 import psutil
 import sqlalchemy as sa
+from prometheus_client import Gauge, Histogram
 
 from gpupool.hub.accounting.admission import Holdings, format_share
 from gpupool.policies.model import Policy
 
 log = logging.getLogger("gpupool.pool")
+
+# In the hub process these join JupyterHub's own metrics at /hub/metrics (the default registry).
+QUEUE_LENGTH = Gauge("gpupool_queue_length", "Requests waiting in the embedded pool's queue", ["team"])
+QUEUE_WAIT = Histogram("gpupool_queue_wait_seconds", "Time requests waited in the queue before they were placed",
+                       ["team"], buckets=(1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600))
 
 
 # --- cards ------------------------------------------------------------------------------------------
@@ -353,6 +359,7 @@ class LocalPool:
         self.decide = decide
         self.waiting: dict[str, Ticket] = {}
         self.devices_are_real = False  # True when the cards came from NVML
+        self._queued_teams: set[str] = set()
         self._seq = itertools.count()
         freed = store.sweep()
         for allocation in freed:
@@ -417,8 +424,16 @@ class LocalPool:
     def schedule(self) -> None:
         """Admit and place what can start, in order of priority then arrival; update everyone's position."""
         pending = [t for t in self.waiting.values() if not t.future.done()]
-        if not pending:
-            return
+        try:
+            if pending:
+                self._schedule(pending)
+        finally:
+            waiting = [t.request.team for t in self.waiting.values() if not t.future.done()]
+            self._queued_teams.update(waiting)
+            for team in self._queued_teams:
+                QUEUE_LENGTH.labels(team).set(waiting.count(team))
+
+    def _schedule(self, pending: list[Ticket]) -> None:
         allocations = self.store.all()
         # Verdicts first, because a deprioritized request queues behind everyone else.
         verdicts = {t.request.key: self.decide(t.request, Holdings.of(allocations)) for t in pending}
@@ -443,6 +458,7 @@ class LocalPool:
                 ticket.reason = self._capacity_reason(request, allocations)
                 continue
             allocations.append(allocation)
+            QUEUE_WAIT.labels(request.team).observe(time.monotonic() - ticket.arrived)
             ticket.future.set_result(allocation)
         still = [t for t in pending if not t.future.done()]
         for ticket in still:

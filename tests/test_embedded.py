@@ -183,6 +183,9 @@ def test_hub_restart_readopts_running_servers_and_cleans_up_dead_ones(hub):
         hub.wait_ready(user)
     store = AllocationStore(hub.state / "allocations.sqlite", owner="test")
     pid = next(a.pid for a in store.all() if a.key == f"{kill}/")
+    ledger_url = f"sqlite:///{hub.state / 'ledger.sqlite'}"
+    before = [i.key for i in Ledger(ledger_url, migrate=False).open_intervals() if i.user == keep]
+    assert len(before) == 1
     hub.stop()
     os.kill(pid, signal.SIGKILL)
     time.sleep(0.5)
@@ -197,5 +200,6 @@ def test_hub_restart_readopts_running_servers_and_cleans_up_dead_ones(hub):
     while hub.server(kill) is not None and time.monotonic() < deadline:
         time.sleep(0.5)
     assert hub.server(kill) is None
-    open_users = {i.user for i in Ledger(f"sqlite:///{hub.state / 'ledger.sqlite'}", migrate=False).open_intervals()}
-    assert keep in open_users and kill not in open_users, "the dead server's usage interval is closed"
+    intervals = Ledger(ledger_url, migrate=False).open_intervals()
+    assert [i.key for i in intervals if i.user == keep] == before, "the same interval goes on: nothing lost or doubled"
+    assert kill not in {i.user for i in intervals}, "the dead server's usage interval is closed"

@@ -296,3 +296,25 @@ def test_without_a_driver_the_declared_inventory_is_used():
 
     cards, source = discover_cards(load_policy(DEFAULT_POLICY_DIR))
     assert source == "declared" and len(cards) == 2
+
+
+def test_queue_metrics(store):
+    from prometheus_client import REGISTRY
+
+    def length(team):
+        return REGISTRY.get_sample_value("gpupool_queue_length", {"team": team})
+
+    async def scenario():
+        pool = LocalPool(H200, store)
+        for n in range(2):
+            await pool.acquire(request(n, Fraction(1), team="metrics"))
+        waiting = [asyncio.create_task(pool.acquire(request(10 + n, team="metrics"))) for n in range(3)]
+        await asyncio.sleep(0.01)
+        assert length("metrics") == 3
+        before = REGISTRY.get_sample_value("gpupool_queue_wait_seconds_count", {"team": "metrics"})
+        pool.release("user0/")
+        await asyncio.wait_for(asyncio.gather(*waiting), 1)
+        assert length("metrics") == 0
+        assert REGISTRY.get_sample_value("gpupool_queue_wait_seconds_count", {"team": "metrics"}) == before + 3
+
+    run(scenario())
