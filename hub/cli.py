@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="file holding the first admin's password (default: generate one and print it once)")
     up.add_argument("--authenticator", default="native",
                     help="JupyterHub authenticator class (default: native, gpupool's NativeAuthenticator)")
+    up.add_argument("--ledger-url",
+                    help="usage ledger database (default: sqlite in the state folder; "
+                         "production: postgresql+psycopg://USER@HOST/DB)")
     up.set_defaults(func=_up)
 
     bill = commands.add_parser("bill", help="a team's bill for one month, from the usage ledger")
@@ -101,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_member.add_argument("user")
     add_member.add_argument("--state-dir", default="state", help="state directory of the running platform")
     add_member.set_defaults(func=_team_add_member)
+
+    from gpupool.hub import render as render_command  # argparse only at import; the work is imported in main
+
+    render = commands.add_parser("render", help="print the Kubernetes objects gpupool owns, made from policies")
+    render_command.add_arguments(render)
+    render.set_defaults(func=render_command.main)
     return parser
 
 

@@ -25,6 +25,7 @@ class Settings:
     port: int = 8000
     admin: str = "admin"
     authenticator: str = "native"
+    ledger_url: str = ""
     extra_services: list[dict] = field(default_factory=list)
 
     @property
@@ -53,7 +54,12 @@ class Settings:
             port=int(env.get("GPUPOOL_PORT", "8000")),
             admin=env.get("GPUPOOL_ADMIN", "admin"),
             authenticator=env.get("GPUPOOL_AUTHENTICATOR", "native"),
+            ledger_url=env.get("GPUPOOL_LEDGER_URL", ""),
         )
+
+    def __post_init__(self):
+        if not self.ledger_url:
+            object.__setattr__(self, "ledger_url", f"sqlite:///{self.state_dir / 'ledger.sqlite'}")
 
 
 def proxy_command() -> list[str]:
@@ -86,6 +92,7 @@ def apply_config(c, settings: Settings) -> None:
     c.JupyterHub.spawner_class = "gpupool.spawner.local.LocalGPUSpawner"
     c.LocalGPUSpawner.policy_dir = str(settings.policy_dir)
     c.LocalGPUSpawner.state_dir = str(state)
+    c.LocalGPUSpawner.ledger_url = settings.ledger_url
     c.Spawner.default_url = "/lab"
     c.Spawner.cmd = [str(Path(sys.executable).parent / "jupyterhub-singleuser")]
     c.Spawner.environment = {"GPUPOOL_HUB_URL": settings.url}
@@ -115,7 +122,8 @@ def apply_config(c, settings: Settings) -> None:
         "name": "accounting",
         "url": f"http://127.0.0.1:{settings.accounting_port}",
         "command": [sys.executable, "-m", "gpupool.hub.accounting.service"],
-        "environment": {"GPUPOOL_STATE_DIR": str(state), "GPUPOOL_POLICIES": str(settings.policy_dir)},
+        "environment": {"GPUPOOL_STATE_DIR": str(state), "GPUPOOL_POLICIES": str(settings.policy_dir),
+                        "GPUPOOL_LEDGER_URL": settings.ledger_url},
         "oauth_no_confirm": True,
         "display": True,
     })

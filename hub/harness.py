@@ -61,7 +61,7 @@ def free_port_block(n: int = 3) -> int:
 class Hub:
     """A `gpupool up` process and a REST client for it."""
 
-    def __init__(self, tmp: Path, policy_files: dict[str, str], extra_config: str = ""):
+    def __init__(self, tmp: Path, policy_files: dict[str, str], extra_config: str = "", ledger_url: str | None = None):
         self.token = uuid.uuid4().hex
         self.policies = tmp / "policies"
         self.policies.mkdir(parents=True)
@@ -70,7 +70,8 @@ class Hub:
         self.state = tmp / "state"
         (self.state / "jupyterhub_config.d").mkdir(parents=True)
         (self.state / "jupyterhub_config.d" / "harness.py").write_text(service_config(self.token, extra_config))
-        self.port = free_port_block()
+        self.port = free_port_block(4)
+        self.ledger_url = ledger_url or f"sqlite:///{self.state / 'ledger.sqlite'}"
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
         self.log = tmp / "hub.log"
@@ -81,7 +82,8 @@ class Hub:
         log = self.log.open("a")
         env = dict(os.environ)
         self.process = subprocess.Popen(
-            [GPUPOOL, "up", "--state-dir", str(self.state), "--port", str(self.port), "--policies", str(self.policies)],
+            [GPUPOOL, "up", "--state-dir", str(self.state), "--port", str(self.port), "--policies", str(self.policies),
+             "--ledger-url", self.ledger_url],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         deadline = time.monotonic() + 60

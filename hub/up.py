@@ -68,6 +68,7 @@ def up(args: argparse.Namespace) -> int:
         "GPUPOOL_PORT": str(args.port),
         "GPUPOOL_ADMIN": args.admin,
         "GPUPOOL_AUTHENTICATOR": args.authenticator,
+        "GPUPOOL_LEDGER_URL": args.ledger_url or f"sqlite:///{state / 'ledger.sqlite'}",
     }
     jupyterhub = Path(sys.executable).parent / "jupyterhub"
     os.chdir(state)

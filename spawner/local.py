@@ -40,12 +40,11 @@ _ledgers: dict[str, Ledger] = {}
 LEDGER_WRITE_ERRORS = Counter("gpupool_ledger_write_errors", "Usage ledger writes that failed", ["operation"])
 
 
-def get_ledger(state_dir: str) -> Ledger:
-    """The embedded mode's usage ledger (SQLite in the state folder), one per process."""
-    ledger = _ledgers.get(state_dir)
+def get_ledger(url: str) -> Ledger:
+    """The usage ledger at `url`, one per process."""
+    ledger = _ledgers.get(url)
     if ledger is None:
-        Path(state_dir).mkdir(parents=True, exist_ok=True)
-        ledger = _ledgers[state_dir] = Ledger(f"sqlite:///{Path(state_dir) / 'ledger.sqlite'}")
+        ledger = _ledgers[url] = Ledger(url)
     return ledger
 
 
@@ -66,13 +65,13 @@ def admission(policy_of: Callable[[], Policy], ledger: Ledger, log) -> Decide:
     return decide
 
 
-def get_pool(state_dir: str, policy_of: Callable[[], Policy], log) -> LocalPool:
+def get_pool(state_dir: str, policy_of: Callable[[], Policy], ledger: Ledger, log) -> LocalPool:
     """The hub process's pool for `state_dir` (one per process: the queue lives in memory)."""
     pool = _pools.get(state_dir)
     if pool is None:
         Path(state_dir).mkdir(parents=True, exist_ok=True)
         cards, source = discover_cards(policy_of())
-        decide = admission(policy_of, get_ledger(state_dir), log)
+        decide = admission(policy_of, ledger, log)
         pool = LocalPool(cards, AllocationStore(Path(state_dir) / "allocations.sqlite"), decide)
         pool.devices_are_real = source == "nvml"
         _pools[state_dir] = pool
@@ -187,6 +186,18 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             return "self"
         return "user"
 
+    ledger_url = Unicode(
+        help="""
+        The usage ledger's database: SQLite in the state folder by default, PostgreSQL in production.
+
+            c.LocalGPUSpawner.ledger_url = "postgresql+psycopg://gpupool@db.example.org/gpupool"
+        """,
+    ).tag(config=True)
+
+    @default("ledger_url")
+    def _default_ledger_url(self):
+        return os.environ.get("GPUPOOL_LEDGER_URL") or f"sqlite:///{Path(self.state_dir) / 'ledger.sqlite'}"
+
     team_root = Unicode(
         help="""Folder holding one group-private (2770) folder per team for shared data.
 
@@ -210,11 +221,11 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     @property
     def pool(self) -> LocalPool:
-        return get_pool(self.state_dir, lambda: self.policy, self.log)
+        return get_pool(self.state_dir, lambda: self.policy, self.ledger, self.log)
 
     @property
     def ledger(self) -> Ledger:
-        return get_ledger(self.state_dir)
+        return get_ledger(self.ledger_url)
 
     # --- traits from the choice -----------------------------------------------------------------------
 

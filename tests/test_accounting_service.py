@@ -1,7 +1,8 @@
 """The `gpupool-accounting` service behind a real JupyterHub: who sees what, bills, metrics, bad input.
 
 The hub (started by `gpupool up`) runs the service as a managed service; requests go through the real
-proxy with real JupyterHub tokens of real hub users. The ledger is seeded directly with known intervals.
+proxy with real JupyterHub tokens of real hub users. The ledger is seeded directly with known intervals,
+once in SQLite and once in a real PostgreSQL started by the test setup.
 """
 
 from __future__ import annotations
@@ -32,14 +33,17 @@ billing: {prices: {H200: '3.20'}}
 SELF = 'c.LocalGPUSpawner.run_as = "self"\n'
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    hub = Hub(tmp_path_factory.mktemp("accounting"), POLICY, SELF)
+@pytest.fixture(scope="module", params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgresql)])
+def hub(request, tmp_path_factory):
+    ledger_url = None
+    if request.param == "postgresql":
+        ledger_url = request.getfixturevalue("postgres_server").create_database("accounting")
+    hub = Hub(tmp_path_factory.mktemp("accounting"), POLICY, SELF, ledger_url=ledger_url)
     hub.start()
     now = utcnow().replace(microsecond=0)
     # Two finished intervals and a running one, all this month (the first hours of a month are enough).
     start = max(now - timedelta(hours=10), now.replace(day=1, hour=0, minute=0, second=0))
-    ledger = Ledger(f"sqlite:///{hub.state / 'ledger.sqlite'}")
+    ledger = Ledger(hub.ledger_url)
     ledger.open_interval("alice-1", "alice", "vision", "h200-quarter", "H200", Fraction(1, 4), start)
     ledger.close_interval("alice-1", start + timedelta(seconds=7200), "stopped")  # 0.5 GPU-h
     ledger.open_interval("lena-1", "lena", "vision", "h200-quarter", "H200", Fraction(1, 4), start)

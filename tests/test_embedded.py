@@ -80,7 +80,7 @@ def test_quarter_share_reaches_the_kernel(hub):
     while hub.server("alice") and time.monotonic() < deadline:
         time.sleep(0.3)
     assert "alice/" not in hub.allocations()
-    ledger = Ledger(f"sqlite:///{hub.state / 'ledger.sqlite'}", migrate=False)
+    ledger = Ledger(hub.ledger_url, migrate=False)
     assert not [i for i in ledger.open_intervals() if i.user == "alice"]
     (interval,) = [i for i in ledger.usage_rows(period_of(utcnow())) if i.user == "alice"]
     assert interval.model == "H200" and interval.profile == "h200-quarter" and interval.gpu_hours > 0
@@ -183,7 +183,7 @@ def test_hub_restart_readopts_running_servers_and_cleans_up_dead_ones(hub):
         hub.wait_ready(user)
     store = AllocationStore(hub.state / "allocations.sqlite", owner="test")
     pid = next(a.pid for a in store.all() if a.key == f"{kill}/")
-    ledger_url = f"sqlite:///{hub.state / 'ledger.sqlite'}"
+    ledger_url = hub.ledger_url
     before = [i.key for i in Ledger(ledger_url, migrate=False).open_intervals() if i.user == keep]
     assert len(before) == 1
     hub.stop()
