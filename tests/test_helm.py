@@ -1,0 +1,230 @@
+"""The Helm chart (helm/gpupool), rendered and linted by the real Helm v4 library (PyPI helm-python-sdk),
+with no cluster: every object checked by kubernetes-validate (strict) and Volcano's CRD schemas, the values
+schema's named errors, and the chart's Volcano objects identical to what `gpupool render` prints.
+
+The Zero-to-JupyterHub dependency is fetched by `helm dependency build` from https://hub.jupyter.org/helm-chart/,
+which this network (PyPI, npm and Debian only) cannot reach; without helm/gpupool/charts/jupyterhub-*.tgz the
+chart is rendered with `jupyterhub.enabled=false`, and the test that renders both charts together skips.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import importlib.util
+import io
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import pytest
+import yaml
+
+from gpupool.hub import __version__
+from gpupool.hub.cli import main
+from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR
+from gpupool.spawner import volcano
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "helm" / "gpupool"
+Z2JH_ARCHIVES = sorted((CHART / "charts").glob("jupyterhub-*.tgz"))
+Z2JH_MISSING = (
+    "the Zero-to-JupyterHub chart is not in helm/gpupool/charts/: `helm dependency build helm/gpupool` needs "
+    "https://hub.jupyter.org/helm-chart/, which this network cannot reach"
+)
+RELEASE, NAMESPACE = "pool", "jhub"
+#: What an operator adds to the generated values: the PostgreSQL server and the Secret with its password.
+OPERATOR_VALUES = {"postgresql": {"host": "postgres.db.svc", "existingSecret": "gpupool-postgres"}}
+
+
+def _checks():
+    # The manifest checks live in test_render.py; pytest's importlib mode puts no test folder on sys.path.
+    spec = importlib.util.spec_from_file_location("gpupool_render_checks", Path(__file__).with_name("test_render.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+checks = _checks()
+
+
+def gpupool(*args: str) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert main(list(args)) == 0
+    return out.getvalue()
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def values_for(policies: Path, jupyterhub: bool = bool(Z2JH_ARCHIVES)) -> dict[str, Any]:
+    """The values an operator installs with: `gpupool render --helm-values` plus their own file."""
+    generated = yaml.safe_load(gpupool("render", "--policies", str(policies), "--release", RELEASE, "--helm-values"))
+    return merge(generated, {**OPERATOR_VALUES, "jupyterhub": {"enabled": jupyterhub}})
+
+
+def objects(manifests: dict[str, str]) -> list[dict[str, Any]]:
+    return [
+        doc for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text) if doc
+    ]
+
+
+def render(values: dict[str, Any], name: str = RELEASE) -> list[dict[str, Any]]:
+    with helm.Chart.load(CHART) as chart:
+        return objects(chart.render(values, name=name, namespace=NAMESPACE, is_install=True))
+
+
+def key(obj: dict[str, Any]) -> tuple[str, str, str]:
+    return obj["kind"], obj["metadata"].get("namespace", ""), obj["metadata"]["name"]
+
+
+@pytest.fixture(scope="module")
+def crds():
+    return checks.volcano_validators()
+
+
+POLICY_SETS = pytest.mark.parametrize("policies", [DEFAULT_POLICY_DIR, EXAMPLES_DIR], ids=["default", "examples"])
+
+
+# --- rendering ------------------------------------------------------------------------------------------
+
+
+@POLICY_SETS
+def test_chart_renders_objects_that_pass_the_kubernetes_and_volcano_schemas(policies, crds):
+    values = merge(values_for(policies), {
+        "mlflow": {"enabled": True, "artifacts": {"destination": "s3://mlflow/", "existingSecret": "s3-keys",
+                                                 "s3EndpointUrl": "http://seaweedfs:8333"}},
+        "ingress": {"enabled": True, "className": "nginx", "hosts": ["gpu.example.org"],
+                    "tls": [{"secretName": "gpu-tls", "hosts": ["gpu.example.org"]}]},
+    })
+    rendered = render(values)
+    for obj in rendered:
+        checks.validate(obj, crds)
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in rendered}
+    assert {("Deployment", "pool-accounting"), ("Service", "pool-accounting"), ("Deployment", "pool-mlflow"),
+            ("Service", "pool-mlflow"), ("Ingress", "pool"), ("ConfigMap", "pool-policies"),
+            ("PriorityClass", "gpupool-deprioritized")} <= kinds
+    assert len(rendered) == len({key(o) for o in rendered}), "an object is rendered twice"
+
+
+@POLICY_SETS
+def test_chart_objects_from_policies_are_exactly_what_gpupool_render_prints(policies):
+    """One source of truth: same policies, same Queues, PriorityClasses and ConfigMaps, field for field."""
+    cli = list(yaml.safe_load_all(gpupool("render", "--policies", str(policies), "--release", RELEASE,
+                                          "--namespace", NAMESPACE)))
+    chart = {key(o): o for o in render(values_for(policies))}
+    assert [chart.get(key(o)) for o in cli] == cli
+    own = {key(o) for o in cli}
+    assert not [k for k in chart if k[0] in ("Queue", "PriorityClass") and k not in own]
+
+
+def test_the_jupyterhub_wiring_points_at_what_the_chart_creates():
+    values = values_for(EXAMPLES_DIR)
+    rendered = {key(o): o for o in render(values)}
+    hub = values["jupyterhub"]["hub"]
+    service = rendered[("Service", NAMESPACE, "pool-accounting")]
+    assert hub["services"]["gpupool-accounting"]["url"] == f"http://pool-accounting:{service['spec']['ports'][0]['port']}"
+    (volume,) = hub["extraVolumes"]
+    assert ("ConfigMap", NAMESPACE, volume["configMap"]["name"]) in rendered
+    deployment = rendered[("Deployment", NAMESPACE, "pool-accounting")]
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["JUPYTERHUB_API_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "hub", "key": "hub.services.gpupool-accounting.apiToken",
+    }
+    assert env["JUPYTERHUB_SERVICE_PREFIX"]["value"] == "/services/gpupool-accounting/"
+    assert env["GPUPOOL_POLICIES"]["value"] == hub["extraEnv"]["GPUPOOL_POLICIES"]
+    assert env["GPUPOOL_DATABASE_URL"]["value"] == "postgresql+psycopg://gpupool@postgres.db.svc:5432/gpupool?sslmode=prefer"
+    # The password comes from the Secret, never from values.
+    assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "gpupool-postgres", "key": "password"}
+    assert deployment["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/etc/gpupool/policies", "/tmp"}
+    # Optional parts stay out unless asked for.
+    assert not [k for k in rendered if k[0] == "Ingress" or k[2] == "pool-mlflow"]
+
+
+def test_chart_defaults_are_the_python_constants_and_version():
+    with helm.Chart.load(CHART) as chart:
+        defaults, metadata = chart.values, chart.metadata
+    assert defaults["gpupool"]["accountingService"] == volcano.ACCOUNTING_SERVICE
+    assert defaults["gpupool"]["accountingPort"] == volcano.ACCOUNTING_PORT
+    assert defaults["gpupool"]["policyDir"] == volcano.POLICY_DIR
+    assert metadata["appVersion"] == __version__
+    assert metadata["apiVersion"] == "v2"
+    (dependency,) = metadata["dependencies"]
+    assert dependency == {"name": "jupyterhub", "version": dependency["version"],
+                          "repository": "https://hub.jupyter.org/helm-chart/", "condition": "jupyterhub.enabled"}
+
+
+@pytest.mark.skipif(not Z2JH_ARCHIVES, reason=Z2JH_MISSING)
+def test_chart_with_zero_to_jupyterhub_renders_valid_objects_and_our_hub_config(crds):
+    values = values_for(EXAMPLES_DIR, jupyterhub=True)
+    rendered = render(values)
+    for obj in rendered:
+        checks.validate(obj, crds)
+    # z2jh hands the hub its values through the `hub` Secret, with a generated token for each service.
+    secret = next(o for o in rendered if o["kind"] == "Secret" and o["metadata"]["name"] == "hub")
+    hub_values = yaml.safe_load(base64.b64decode(secret["data"]["values.yaml"]))
+    assert hub_values["hub"]["config"]["JupyterHub"]["spawner_class"] == volcano.SPAWNER_CLASS
+    assert "hub.services.gpupool-accounting.apiToken" in secret["data"]
+    assert hub_values["scheduling"]["userScheduler"]["enabled"] is False
+
+
+# --- what the chart refuses, with the way out --------------------------------------------------------------
+
+
+def test_a_misspelled_section_or_key_is_an_error_that_names_it():
+    values = values_for(DEFAULT_POLICY_DIR)
+    with helm.Chart.load(CHART) as chart:
+        chart.validate_schema(values)
+        with pytest.raises(helm.HelmValuesError, match="additional properties 'mlfow' not allowed"):
+            chart.validate_schema(merge(values, {"mlfow": {"enabled": True}}))
+        with pytest.raises(helm.HelmValuesError, match=r"at '/accounting': additional properties 'imgae'"):
+            chart.validate_schema(merge(values, {"accounting": {"imgae": {"name": "x"}}}))
+        with pytest.raises(helm.HelmValuesError, match="/postgresql/sslmode"):
+            chart.validate_schema(merge(values, {"postgresql": {"sslmode": "sometimes"}}))
+        # Rendering applies the same schema, so a typo never installs.
+        with pytest.raises(helm.HelmValuesError, match="mlfow"):
+            chart.render(merge(values, {"mlfow": {"enabled": True}}), name=RELEASE, namespace=NAMESPACE)
+
+
+def test_lint_finds_nothing_but_the_dependency_this_network_cannot_fetch():
+    report = helm.lint(CHART, values_for(EXAMPLES_DIR), strict=True, namespace=NAMESPACE, kube_version="v1.35.0")
+    problems = [m["error"] for m in report["messages"] if m["severity"] >= 2]
+    expected = [] if Z2JH_ARCHIVES else ["chart directory is missing these dependencies: jupyterhub"]
+    assert problems == expected
+    # Lint is not blind: a misspelled section is one of its errors.
+    report = helm.lint(CHART, merge(values_for(EXAMPLES_DIR), {"ingres": {}}), namespace=NAMESPACE)
+    assert any("'ingres' not allowed" in m["error"] for m in report["messages"] if m["severity"] == 3)
+
+
+def test_policy_files_edited_in_values_without_rendering_again_are_refused():
+    values = values_for(DEFAULT_POLICY_DIR)
+    values["gpupool"]["policies"]["teams.yaml"] += "\n  physics: {priority: 1000}\n"
+    with pytest.raises(helm.HelmRenderError, match=r"gpupool.policies differ .*run `gpupool render --helm-values`"):
+        render(values)
+
+
+def test_values_rendered_for_another_release_are_refused():
+    with pytest.raises(helm.HelmRenderError, match=r'rendered for release "pool", this release is "other"'):
+        render(values_for(DEFAULT_POLICY_DIR), name="other")
+
+
+def test_the_chart_without_generated_values_says_how_to_make_them():
+    with pytest.raises(helm.HelmRenderError, match=r"gpupool.policies is empty: .*gpupool render"):
+        render(merge(OPERATOR_VALUES, {"jupyterhub": {"enabled": False}}))
+
+
+def test_postgresql_needs_a_host_and_a_password_secret():
+    values = values_for(DEFAULT_POLICY_DIR)
+    with pytest.raises(helm.HelmRenderError, match="postgresql.existingSecret: name the Secret"):
+        render(merge(values, {"postgresql": {"existingSecret": ""}}))
+    with pytest.raises(helm.HelmRenderError, match="postgresql.host"):
+        render(merge(values, {"postgresql": {"host": ""}}))
