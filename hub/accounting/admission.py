@@ -54,7 +54,8 @@ class AdmissionRequest:
 
     `at` is when the decision is made (normally now); it selects the budget period. `reserve` is the
     time of use the request commits to at admission: its share × `reserve` GPU-hours must fit in the
-    budget, and the ledger counts them against it until the interval has run that long.
+    budget, and the ledger counts them against it until the interval has run that long. `preemptible`
+    is for requests without a profile; a profile says itself whether its work is preemptible.
     """
 
     user: str

@@ -18,7 +18,6 @@ import csv
 import html
 import io
 import json
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -89,11 +88,18 @@ def round_half_up(value: Fraction, places: int) -> Decimal:
     """`value` (≥ 0) rounded half up to `places` decimals, exactly (no float on the way)."""
     if value < 0:
         raise ValueError(f"cannot bill a negative quantity ({value})")
-    return Decimal(math.floor(value * 10**places + Fraction(1, 2))).scaleb(-places)
+    return _half_up(value.numerator, value.denominator, places)
 
 
-def to_cents(value: Fraction) -> Decimal:
-    return round_half_up(value, 2)
+def _half_up(numerator: int, denominator: int, places: int) -> Decimal:
+    # floor(n/d × 10^places + 1/2) in integers: a bill has thousands of lines, Fraction arithmetic is slow.
+    scaled = numerator * 10**places
+    return Decimal((2 * scaled + denominator) // (2 * denominator)).scaleb(-places)
+
+
+def amount(hours: Fraction, price: Fraction) -> Decimal:
+    """hours × price rounded half up to the cent."""
+    return _half_up(hours.numerator * price.numerator, hours.denominator * price.denominator, 2)
 
 
 def hours_text(hours: Fraction) -> str:
@@ -129,10 +135,10 @@ def make_bill(policy: Policy, team: str, period: str, rows: Iterable[UsageRow], 
         if row.model not in prices:
             prices[row.model] = Fraction(unit_price(policy, row.model))
         lines[row.model, row.profile] = lines.get((row.model, row.profile), Fraction(0)) + row.gpu_hours
-        users.append(UserLine(row.user, row.model, row.profile, row.gpu_hours,
-                              to_cents(row.gpu_hours * prices[row.model])))
+        user_amount = amount(row.gpu_hours, prices[row.model])
+        users.append(UserLine(row.user, row.model, row.profile, row.gpu_hours, user_amount))
     bill_lines = tuple(
-        BillLine(model, profile, hours, unit_price(policy, model), to_cents(hours * prices[model]))
+        BillLine(model, profile, hours, unit_price(policy, model), amount(hours, prices[model]))
         for (model, profile), hours in sorted(lines.items())
     )
     users.sort(key=lambda u: (u.user, u.model, u.profile))

@@ -432,27 +432,33 @@ class Ledger:
         now_s = _seconds(now, "now")
         c = INTERVALS.c
         start, end = _as_int(c.start_at), _as_int(c.end_at)
+        # Two-argument LEAST/GREATEST: PostgreSQL's names; SQLite's min() and max() with two arguments
+        # are the same scalar functions (with one argument they would be aggregates).
+        least, greatest = (sa.func.least, sa.func.greatest) if self.dialect == "postgresql" else (sa.func.min,
+                                                                                                 sa.func.max)
         # An open interval runs until now; for budgets, at least until the end of its reservation.
         until: sa.ColumnElement[int] = sa.literal(now_s, sa.BigInteger)
         if reserving:
-            until = sa.case((start + c.reserve_s > now_s, start + c.reserve_s), else_=now_s)
+            until = greatest(start + c.reserve_s, now_s)
         effective_end = sa.func.coalesce(end, until)
-        high = sa.case((effective_end < period_end, effective_end), else_=period_end)
-        low = sa.case((start > period_start, start), else_=period_start)
+        seconds = least(effective_end, period_end) - greatest(start, period_start)
         groups = [c[name] for name in by]
         query = (
-            sa.select(*groups, c.share_den, sa.func.sum((high - low) * c.share_num).label("weighted"))
-            .where(start < period_end, sa.or_(end.is_(None), end > period_start), high > low)
+            sa.select(*groups, c.share_den, sa.func.sum(seconds * c.share_num).label("weighted"))
+            # Overlaps the period (written so that the start_at and end_at indexes apply), and has run for
+            # some time: an open interval that "starts" after `now` (a clock behind the event) has not.
+            .where(start < period_end,
+                   sa.or_(end > period_start, sa.and_(end.is_(None), until > period_start, until > start)))
             .group_by(*groups, c.share_den)
         )
         if team is not None:
             query = query.where(c.team == team)
         sums: dict[tuple[str, ...], Fraction] = {}
-        for row in connection.execute(query):
-            names = tuple(row[: len(by)])
+        for *names, share_den, weighted in connection.execute(query):
             # PostgreSQL's SUM(bigint) is NUMERIC (a Decimal here): int() of it is exact.
-            hours = Fraction(int(row.weighted), row.share_den * periods.SECONDS_PER_HOUR)
-            sums[names] = sums.get(names, Fraction(0)) + hours
+            hours = Fraction(int(weighted), share_den * periods.SECONDS_PER_HOUR)
+            key = tuple(names)
+            sums[key] = sums[key] + hours if key in sums else hours
         if not by and not sums:
             sums[()] = Fraction(0)
         return sums

@@ -98,6 +98,15 @@ def test_every_teams_bill_from_one_query(ledger, policy):
     )
 
 
+def test_a_team_no_longer_in_the_policy_is_still_billed(ledger, make_policy):
+    seed(ledger)
+    without_nlp = make_policy(teams={"nlp": None},
+                              profiles={name: {"teams": ["vision"]} for name in ("cpu", "h200-quarter", "h200-mig",
+                                                                                   "a100-whole")})
+    bills = bills_for_period(ledger, without_nlp, "2026-11", now=NOW)
+    assert (bills["nlp"].team_name, bills["nlp"].total) == ("nlp", D("19.20"))
+
+
 def test_a_running_month_is_provisional_and_counts_open_intervals_so_far(ledger, policy):
     seed(ledger)
     bill = bill_for(ledger, policy, "vision", "2026-12", now=NOW)
