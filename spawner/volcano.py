@@ -29,17 +29,11 @@ SPAWNER_CLASS = "gpupool.spawner.kube.GPUKubeSpawner"
 #: Where the hub and the accounting service find the policy files (the policy ConfigMap, mounted).
 POLICY_DIR = "/etc/gpupool/policies"
 POLICY_VOLUME = "gpupool-policies"
-#: The accounting service's name in JupyterHub (`/services/gpupool-accounting/`) and its port.
-ACCOUNTING_SERVICE = "gpupool-accounting"
+#: The accounting service's name in JupyterHub, as in the embedded mode (`/services/accounting/`), its role,
+#: and the port of its Deployment (helm/gpupool/templates/accounting.yaml).
+ACCOUNTING_SERVICE = "accounting"
+ACCOUNTING_ROLE = "gpupool-accounting"
 ACCOUNTING_PORT = 8080
-#: What the accounting service may do through the hub's REST API, and nothing more: read who is in which
-#: team (users' groups, groups' members) and which servers run, to close intervals of servers that stopped
-#: while it was down. No admin, no tokens, no server control.
-ACCOUNTING_SCOPES = (
-    "list:users", "read:users:name", "read:users:groups", "list:groups", "read:groups", "read:servers",
-)
-#: The role that lets team members open the accounting pages (their usage and bills) through the hub.
-TEAM_MEMBERS_ROLE = "gpupool-team-members"
 
 DEVICE_PLUGIN_CONFIG_LABEL = "nvidia.com/device-plugin.config"
 DEFAULT_DEVICE_PLUGIN_NAMESPACE = "gpu-operator"
@@ -280,6 +274,13 @@ def cluster_objects(policy: Policy, files: Mapping[str, str], release: Release) 
     return objects
 
 
+def accounting_scopes() -> list[str]:
+    """The scopes the accounting service declares it needs (and the hub grants it, nothing more)."""
+    from gpupool.hub.accounting.service import SERVICE_SCOPES
+
+    return list(SERVICE_SCOPES)
+
+
 def _authenticator_teams(policy: Policy) -> list[str]:
     return [name for name, team in policy.teams.items() if team.group_source == "authenticator"]
 
@@ -312,20 +313,19 @@ def jupyterhub_values(policy: Policy, release: Release) -> dict[str, Any]:
             "services": {
                 ACCOUNTING_SERVICE: {
                     "url": f"http://{release.accounting_service}:{ACCOUNTING_PORT}",
+                    "oauth_no_confirm": True,
                     "display": True,
                 },
             },
+            # The same roles as the embedded mode's (hub/config.py): the service gets exactly the scopes it
+            # declares, and every user may open its pages, where the service decides what each one sees.
             "loadRoles": {
-                ACCOUNTING_SERVICE: {
-                    "description": "gpupool accounting: read team membership and running servers",
-                    "scopes": list(ACCOUNTING_SCOPES),
+                ACCOUNTING_ROLE: {
+                    "description": "gpupool-accounting reads team membership",
+                    "scopes": accounting_scopes(),
                     "services": [ACCOUNTING_SERVICE],
                 },
-                TEAM_MEMBERS_ROLE: {
-                    "description": "Members of gpupool teams may open the accounting pages",
-                    "scopes": [f"access:services!service={ACCOUNTING_SERVICE}"],
-                    "groups": sorted(policy.teams),
-                },
+                "user": {"scopes": ["self", f"access:services!service={ACCOUNTING_SERVICE}"]},
             },
         },
         # Volcano places user pods; z2jh's user scheduler, its placeholders and its own PriorityClasses

@@ -130,18 +130,20 @@ def test_the_jupyterhub_wiring_points_at_what_the_chart_creates():
     rendered = {key(o): o for o in render(values)}
     hub = values["jupyterhub"]["hub"]
     service = rendered[("Service", NAMESPACE, "pool-accounting")]
-    assert hub["services"]["gpupool-accounting"]["url"] == f"http://pool-accounting:{service['spec']['ports'][0]['port']}"
+    assert hub["services"]["accounting"]["url"] == f"http://pool-accounting:{service['spec']['ports'][0]['port']}"
     (volume,) = hub["extraVolumes"]
     assert ("ConfigMap", NAMESPACE, volume["configMap"]["name"]) in rendered
     deployment = rendered[("Deployment", NAMESPACE, "pool-accounting")]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in container["env"]}
     assert env["JUPYTERHUB_API_TOKEN"]["valueFrom"]["secretKeyRef"] == {
-        "name": "hub", "key": "hub.services.gpupool-accounting.apiToken",
+        "name": "hub", "key": "hub.services.accounting.apiToken",
     }
-    assert env["JUPYTERHUB_SERVICE_PREFIX"]["value"] == "/services/gpupool-accounting/"
+    assert env["JUPYTERHUB_SERVICE_PREFIX"]["value"] == "/services/accounting/"
+    assert env["JUPYTERHUB_SERVICE_NAME"]["value"] == "accounting"
+    assert container["command"] == ["python", "-m", "gpupool.hub.accounting.service"]
     assert env["GPUPOOL_POLICIES"]["value"] == hub["extraEnv"]["GPUPOOL_POLICIES"]
-    assert env["GPUPOOL_DATABASE_URL"]["value"] == "postgresql+psycopg://gpupool@postgres.db.svc:5432/gpupool?sslmode=prefer"
+    assert env["GPUPOOL_LEDGER_URL"]["value"] == "postgresql+psycopg://gpupool@postgres.db.svc:5432/gpupool?sslmode=prefer"
     # The password comes from the Secret, never from values.
     assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "gpupool-postgres", "key": "password"}
     assert deployment["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
@@ -173,7 +175,7 @@ def test_chart_with_zero_to_jupyterhub_renders_valid_objects_and_our_hub_config(
     secret = next(o for o in rendered if o["kind"] == "Secret" and o["metadata"]["name"] == "hub")
     hub_values = yaml.safe_load(base64.b64decode(secret["data"]["values.yaml"]))
     assert hub_values["hub"]["config"]["JupyterHub"]["spawner_class"] == volcano.SPAWNER_CLASS
-    assert "hub.services.gpupool-accounting.apiToken" in secret["data"]
+    assert "hub.services.accounting.apiToken" in secret["data"]
     assert hub_values["scheduling"]["userScheduler"]["enabled"] is False
 
 

@@ -239,19 +239,16 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
             "extraVolumeMounts": [
                 {"name": "gpupool-policies", "mountPath": "/etc/gpupool/policies", "readOnly": True},
             ],
-            "services": {"gpupool-accounting": {"url": "http://gpupool-accounting:8080", "display": True}},
+            "services": {
+                "accounting": {"url": "http://gpupool-accounting:8080", "oauth_no_confirm": True, "display": True},
+            },
             "loadRoles": {
                 "gpupool-accounting": {
-                    "description": "gpupool accounting: read team membership and running servers",
-                    "scopes": ["list:users", "read:users:name", "read:users:groups", "list:groups",
-                               "read:groups", "read:servers"],
-                    "services": ["gpupool-accounting"],
+                    "description": "gpupool-accounting reads team membership",
+                    "scopes": ["list:groups", "read:groups"],
+                    "services": ["accounting"],
                 },
-                "gpupool-team-members": {
-                    "description": "Members of gpupool teams may open the accounting pages",
-                    "scopes": ["access:services!service=gpupool-accounting"],
-                    "groups": ["nlp", "vision"],
-                },
+                "user": {"scopes": ["self", "access:services!service=accounting"]},
             },
         },
         "scheduling": {
