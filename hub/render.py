@@ -24,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--output", "-o", metavar="DIR",
                        help="write one file per object, and the Zero-to-JupyterHub chart's values as "
-                       "zero-to-jupyterhub/values.yaml, into DIR (default: all objects as multi-document YAML on stdout)")
+                       "zero-to-jupyterhub/values.yaml, into DIR (default: all objects as multi-document YAML "
+                       "on stdout)")
     where.add_argument("--helm-values", action="store_true",
                        help="print the values file for the gpupool Helm chart (helm/gpupool) instead: the "
                        "rendered objects, the policy files and the Zero-to-JupyterHub wiring")
