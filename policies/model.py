@@ -106,6 +106,7 @@ RESERVED_TEAM_NAMES = frozenset(
     {
         "default", "kube-system", "kube-public", "kube-node-lease", "volcano-system", "root",
         "admin", "admins", "jupyterhub", "hub", "gpupool", "all", "none", "system",
+        "deprioritized",  # gpupool-deprioritized is the PriorityClass of over-budget work
     }
 )
 

@@ -29,6 +29,9 @@ def test_wheel_holds_every_subpackage_and_policy_file(wheel):
     for package in ("hub", "spawner", "policies"):
         assert f"gpupool/{package}/__init__.py" in names
     assert "gpupool/mlflow/run_context.py" in names
+    migrations = ROOT / "hub" / "accounting" / "migrations"
+    for migration in [*migrations.glob("*.py"), *migrations.glob("*.mako"), *(migrations / "versions").glob("*.py")]:
+        assert f"gpupool/hub/accounting/{migration.relative_to(ROOT / 'hub' / 'accounting')}" in names
     assert "gpupool/mlflow/__init__.py" not in names
     for policy in (ROOT / "policies").glob("*.yaml"):
         assert f"gpupool/policies/{policy.name}" in names

@@ -17,6 +17,7 @@ from datetime import timedelta
 from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
+from urllib.parse import urlparse
 
 from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from prometheus_client import CollectorRegistry, generate_latest
@@ -330,7 +331,9 @@ def main() -> None:
     prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/accounting/")
     app = make_app(ledger, os.environ.get("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR)), prefix)
     url = os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:8003")
-    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    # Listen where the hub says the service is: 127.0.0.1 on one machine, 0.0.0.0 in a pod.
+    parsed = urlparse(url)
+    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
 
     stale = timedelta(seconds=int(os.environ.get("GPUPOOL_RECONCILE_STALE_SECONDS", "300")))
 
@@ -344,7 +347,7 @@ def main() -> None:
             log.exception("reconciliation failed")
 
     ioloop.PeriodicCallback(reconcile, 60_000).start()
-    app.listen(port, "127.0.0.1")
+    app.listen(port, host)
     log.info("gpupool-accounting at %s%s", url, prefix)
     ioloop.IOLoop.current().start()
 
