@@ -16,9 +16,7 @@ def _policy_check(args: argparse.Namespace) -> int:
     try:
         policy = load_policy(directory)
     except PolicyError as error:
-        for problem in error.problems:
-            print(problem, file=sys.stderr)
-        print(f"{len(error.problems)} problem(s) in {directory}; nothing was changed", file=sys.stderr)
+        print(error.report(directory, "nothing was changed"), file=sys.stderr)
         return 1
     print(f"OK {directory}: {policy.summary()}")
     return 0

@@ -102,9 +102,7 @@ def main(args: argparse.Namespace) -> int:
         files = policy_files(directory)
         policy = load_policy(directory)
     except PolicyError as error:
-        for problem in error.problems:
-            print(problem, file=sys.stderr)
-        print(f"{len(error.problems)} problem(s) in {directory}; nothing was rendered", file=sys.stderr)
+        print(error.report(directory, "nothing was rendered"), file=sys.stderr)
         return 1
     if policy_files(directory) != files:
         # What the cluster gets must be exactly the text that was checked.

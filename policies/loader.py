@@ -56,6 +56,10 @@ class PolicyError(ValueError):
         self.problems = problems
         super().__init__("\n".join(str(p) for p in problems))
 
+    def report(self, directory: object, outcome: str) -> str:
+        """Every problem on a line, then how many and what did not happen (for commands' stderr)."""
+        return f"{self}\n{len(self.problems)} problem(s) in {directory}; {outcome}"
+
 
 @dataclass
 class _Source:

@@ -25,6 +25,7 @@ import sqlalchemy as sa
 from prometheus_client import Gauge, Histogram
 
 from gpupool.hub.accounting.admission import Holdings, format_share
+from gpupool.hub.accounting.db import create_engine, writer
 from gpupool.policies.model import Policy
 
 log = logging.getLogger("gpupool.pool")
@@ -190,18 +191,10 @@ class AllocationStore:
     """Allocations in SQLite; every placement is decided and written inside one `BEGIN IMMEDIATE`."""
 
     def __init__(self, path: str | Path, owner: str | None = None):
-        self.engine = sa.create_engine(f"sqlite:///{path}", connect_args={"timeout": 30})
+        # The ledger's SQLite set-up (WAL, busy timeout), with every transaction BEGIN IMMEDIATE: a placement
+        # reads the cards' use and writes the allocation under one write lock.
+        self.engine = writer(create_engine(f"sqlite:///{path}"))
         self.owner = owner or f"{os.getpid()}-{time.time_ns()}"
-
-        @sa.event.listens_for(self.engine, "connect")
-        def _pragmas(connection, _record):  # pragma: no cover - exercised by every test
-            connection.isolation_level = None  # we issue BEGIN ourselves
-            connection.execute("PRAGMA journal_mode=WAL")
-
-        @sa.event.listens_for(self.engine, "begin")
-        def _begin(connection):
-            connection.exec_driver_sql("BEGIN IMMEDIATE")
-
         metadata.create_all(self.engine)
 
     def all(self) -> list[Allocation]:

@@ -404,7 +404,8 @@ def test_names_that_would_collide_or_are_not_dns_safe_are_refused(tmp_path):
         (policies / name).write_text(re.sub(r"\bnlp\b", "deprioritized", (policies / name).read_text()))
     code, out, err = run("render", "--policies", str(policies))
     assert code == 1 and out == ""
-    assert "team 'deprioritized' would get the PriorityClass gpupool-deprioritized" in err
+    # the policy check itself refuses it: gpupool-deprioritized is the class of over-budget work
+    assert "team name 'deprioritized' is reserved" in err
 
 
 def test_helm_values_carry_the_objects_and_the_policy_files():
