@@ -59,6 +59,22 @@ def hub(tmp_path_factory):
             process.kill()
 
 
+def test_team_add_member_command(hub):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    gpupool = Path(sys.executable).parent / "gpupool"
+    done = subprocess.run([gpupool, "team", "add-member", "nlp", "bob", "--state-dir", str(hub.state)],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "bob is now a member of team nlp" in done.stdout
+    assert "bob" in hub.api("GET", "/groups/nlp").json()["users"]
+    refused = subprocess.run([gpupool, "team", "add-member", "robotics", "bob", "--state-dir", str(hub.state)],
+                             capture_output=True, text=True, check=False)
+    assert refused.returncode == 1 and "no team 'robotics'" in refused.stderr
+
+
 def test_quarter_share_reaches_the_kernel(hub):
     hub.add_user("alice", "vision")
     assert hub.api("POST", "/users/alice/server", json={"profile": "h200-quarter"}).status_code in (201, 202)
