@@ -7,6 +7,7 @@ once in SQLite and once in a real PostgreSQL started by the test setup.
 
 from __future__ import annotations
 
+import html
 from datetime import timedelta
 from fractions import Fraction
 
@@ -24,7 +25,7 @@ models:
 inventory: [{model: H200, count: 2}]
 teams:
   vision: {members: [alice, lena], leads: [lena], budget: {gpu_hours: 100}}
-  nlp: {members: [nadia], budget: {gpu_hours: 50, on_exhausted: deny}}
+  nlp: {members: [nadia], budget: {gpu_hours: 1, on_exhausted: deny}}
 profiles:
   h200-quarter: {display_name: 0.25 × H200, gpu: {model: H200, share: 0.25}, teams: [vision, nlp]}
 billing: {prices: {H200: '3.20'}}
@@ -129,6 +130,15 @@ def test_page_shows_charts(hub):
     page = get(hub, "lena", "")
     assert page.status_code == 200
     assert page.text.count("<svg") == 2 and "Members of vision" in page.text
+
+
+def test_page_shows_budget_alerts(hub):
+    # nadia's open interval (0.25 of a card since the fixture's start) has used up nlp's 1 GPU-hour budget.
+    page = html.unescape(get(hub, "nadia", "").text)
+    assert 'role="alert"' in page
+    assert 'team "nlp" has used 80% of its budget of 1 GPU-hours' in page
+    assert 'team "nlp" has used 100% of its budget' in page
+    assert "vision" not in page
 
 
 def test_openapi_description(hub):

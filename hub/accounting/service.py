@@ -25,7 +25,7 @@ from prometheus_client.core import GaugeMetricFamily
 from tornado import ioloop, web
 
 from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import format_hours
+from gpupool.hub.accounting.admission import format_hours, reached_alerts
 from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill, unit_price
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.policies import DEFAULT_POLICY_DIR
@@ -265,7 +265,10 @@ class PageHandler(AccountingHandler):
         viewer, policy = self.viewer(), self.policy
         period = self.period_argument()
         sections = []
+        usage = self.ledger.usage(period)
         for team in sorted(viewer.teams | viewer.leads):
+            for alert in reached_alerts(policy, team, usage):
+                sections.append(f'<p class="alert" role="alert">⚠ {html.escape(alert.message)}</p>')
             summary = team_summary(self.ledger, policy, team, period, viewer.may_see_members(team))
             budget = float(summary["budget_gpu_hours"]) if summary["budget_gpu_hours"] else None
             bars = [(team, float(Fraction(summary["gpu_hours"])))]

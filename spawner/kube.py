@@ -1,0 +1,543 @@
+"""`GPUKubeSpawner`: KubeSpawner with a GPU share from the policy, bound to the team's Volcano queue.
+
+Each server is a pod scheduled by Volcano in its team's queue, with the team's PriorityClass; the share
+becomes HAMi / NVIDIA device plugin resources (`resources.profile_gpu`). While Volcano holds the pod back the
+spawn page says where it stands in the queue and why (`podgroups`), and `start_timeout` counts only from the
+moment the queue admits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpupool.policies.model import Policy, parse_quantity
+from gpupool.spawner import podgroups
+from gpupool.spawner.mixin import Choice, GPUPoolSpawnerMixin
+from gpupool.spawner.resources import GPUResources, profile_gpu, profile_share
+from gpupool.spawner.volcano import (
+    DEPRIORITIZED_CLASS,
+    Release,
+    priority_classes,
+    team_priority_class,
+    team_queue,
+)
+from kubernetes_asyncio.client import ApiException, V1Pod
+from kubespawner import KubeSpawner
+from kubespawner.reflector import ResourceReflector
+from kubespawner.slugs import is_valid_label, safe_slug
+from kubespawner.spawner import EventReflector
+from tornado import web
+from traitlets import Bool, Enum, Float, Unicode, default
+
+QUEUE_ANNOTATION = "scheduling.volcano.sh/queue-name"
+PREEMPTABLE_ANNOTATION = "volcano.sh/preemptable"
+SCHEDULER_NAME = "volcano"
+
+TEAM_LABEL = "gpupool.io/team"
+PROFILE_LABEL = "gpupool.io/profile"
+MODEL_LABEL = "gpupool.io/gpu-model"
+SHARE_ANNOTATION = "gpupool.io/share"
+
+#: Environment variables no user pod may carry: HAMi-core turns its limits off when it sees this one.
+FORBIDDEN_ENV = frozenset({"CUDA_DISABLE_CONTROL"})
+#: HAMi keeps its device bookkeeping in these annotations; a pod that sets them can claim devices it was
+#: not given, so only the ones gpupool itself wrote survive.
+HAMI_ANNOTATION_PREFIX = "hami.io/"
+
+#: Traits `apply_choice` sets; their configured values are the baseline every new choice starts from.
+CHOICE_TRAITS = (
+    "extra_resource_limits", "extra_resource_guarantees", "node_selector", "tolerations", "cpu_limit",
+    "cpu_guarantee", "mem_limit", "mem_guarantee", "image", "extra_labels", "extra_annotations",
+    "scheduler_name", "priority_class_name", "start_timeout",
+)
+
+
+# --- the Volcano binding and the final pass over the pod (pure) -------------------------------------------
+
+
+@dataclass(frozen=True)
+class VolcanoBinding:
+    """What ties a pod to its team's queue: scheduler, PriorityClass and Volcano's annotations."""
+
+    scheduler_name: str
+    priority_class_name: str
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+def volcano_binding(team: str, preemptible: bool, deprioritized: bool) -> VolcanoBinding:
+    """A notebook inside its team's quota is not preemptable; preemptible profiles and deprioritized work are."""
+    return VolcanoBinding(
+        scheduler_name=SCHEDULER_NAME,
+        priority_class_name=DEPRIORITIZED_CLASS if deprioritized else team_priority_class(team),
+        annotations={
+            QUEUE_ANNOTATION: team_queue(team),
+            PREEMPTABLE_ANNOTATION: "true" if preemptible or deprioritized else "false",
+        },
+    )
+
+
+def policy_priorities(policy: Policy) -> dict[str, int]:
+    """The values of the PriorityClasses rendered from `policy`, to order a queue's PodGroups as Volcano does.
+
+    Read from the objects `gpupool render` and the chart create, not from the cluster: the hub needs no
+    cluster-wide read permission for it, and the two cannot disagree while the chart follows the policy.
+    """
+    return {pc["metadata"]["name"]: pc["value"] for pc in priority_classes(policy, Release())}
+
+
+def _env_name(item: Any) -> str | None:
+    return item.get("name") if isinstance(item, Mapping) else getattr(item, "name", None)
+
+
+def sanitize_pod(pod: V1Pod, binding: VolcanoBinding, own_annotations: Mapping[str, str]) -> V1Pod:
+    """The last word on a user pod, whatever config, hooks or overrides did before: edits `pod` in place.
+
+    Removes `CUDA_DISABLE_CONTROL` from every container and `hami.io/*` annotations gpupool did not write
+    (`own_annotations`), and re-applies the Volcano binding so no setting moves a pod into another queue.
+    """
+    metadata = pod.metadata
+    annotations = dict(metadata.annotations or {})
+    for key in list(annotations):
+        if key.startswith(HAMI_ANNOTATION_PREFIX) and own_annotations.get(key) != annotations[key]:
+            del annotations[key]
+    annotations.update(binding.annotations)
+    metadata.annotations = annotations
+    spec = pod.spec
+    spec.scheduler_name = binding.scheduler_name
+    spec.priority_class_name = binding.priority_class_name
+    for container in [*(spec.containers or []), *(spec.init_containers or [])]:
+        if container.env:
+            container.env = [item for item in container.env if _env_name(item) not in FORBIDDEN_ENV]
+    return pod
+
+
+def gpupool_profile_list(spawner: GPUKubeSpawner) -> list[dict]:
+    """The policy's profiles for the user's teams in KubeSpawner's `profile_list` format, for its form.
+
+    Entries carry no `kubespawner_override`: what a choice does to the pod is decided by `apply_choice`
+    from the policy, never by a dictionary a form could name.
+    """
+    entries = []
+    for slug, profile in spawner.available_profiles().items():
+        entry: dict[str, Any] = {
+            "slug": slug, "display_name": profile.display_name, "description": profile.description,
+            "default": profile.default,
+        }
+        if profile.images:
+            entry["profile_options"] = {"image": {"display_name": "Image", "choices": {
+                key: {"display_name": image.display_name, "default": image.default}
+                for key, image in profile.images.items()
+            }}}
+        entries.append(entry)
+    return entries
+
+
+# --- reflectors of Volcano's PodGroups and their events ---------------------------------------------------
+
+
+class _PodGroupAPI:
+    """`list_podgroups(namespace=..., **kw)`: the list-or-watch call the reflector machinery expects."""
+
+    def __init__(self, custom_objects):
+        self.custom_objects = custom_objects
+
+    def list_podgroups(self, namespace: str | None = None, **kwargs):
+        """List or watch Volcano PodGroups (scheduling.volcano.sh/v1beta1)."""
+        if namespace is None:
+            return self.custom_objects.list_cluster_custom_object(
+                podgroups.GROUP, podgroups.VERSION, podgroups.PLURAL, **kwargs)
+        return self.custom_objects.list_namespaced_custom_object(
+            podgroups.GROUP, podgroups.VERSION, namespace, podgroups.PLURAL, **kwargs)
+
+
+class PodGroupReflector(ResourceReflector):
+    """A local, watched copy of Volcano's PodGroups (per namespace, or cluster-wide with user namespaces)."""
+
+    kind = "podgroups"
+    api_group_name = Unicode("CustomObjectsApi")
+    list_method_name = Unicode("list_podgroups")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.api = _PodGroupAPI(self.api)
+
+
+class PodGroupEventReflector(EventReflector):
+    """Events about PodGroups: Volcano's enqueue decisions ("queue resource quota insufficient") land here."""
+
+
+# --- the spawner ---------------------------------------------------------------------------------------------
+
+
+class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
+    """Spawns each server as a pod holding a GPU share, queued by Volcano in its team's queue."""
+
+    profile_form = Enum(
+        ["gpupool", "kubespawner"], "gpupool",
+        help="""
+        Which spawn form users see: `gpupool` (the same form as the embedded mode: shares, teams, images) or
+        `kubespawner` (KubeSpawner's profile cards, filled from the policy through `profile_list`). Either
+        way the choice is checked on the server against the policy.
+
+            c.GPUKubeSpawner.profile_form = "kubespawner"
+        """,
+    ).tag(config=True)
+
+    queue_poll_interval = Float(
+        1.0,
+        help="""
+        Seconds between looks at the queue while a server waits (position, reason, timeouts).
+
+            c.GPUKubeSpawner.queue_poll_interval = 2
+        """,
+    ).tag(config=True)
+
+    check_node_capacity = Bool(
+        True,
+        help="""
+        Before creating a pod, list the nodes and refuse at once a profile that no node could ever hold
+        (e.g. 2 × H200 when no node has more than one). Needs `list` on `nodes` (a ClusterRole); without it
+        the check is skipped and the pod waits in the queue like any other.
+
+            c.GPUKubeSpawner.check_node_capacity = False
+        """,
+    ).tag(config=True)
+
+    #: Set (e.g. by the accounting's admission) before start when the team's budget is exhausted and its
+    #: `on_exhausted` is `deprioritize`: the pod then runs as lowest-priority, preemptable work.
+    gpupool_deprioritized: bool = False
+
+    _gpupool_baseline: dict[str, Any] | None = None
+    _gpupool_status: str | None = None
+    _gpupool_stopping = False
+
+    @default("automount_service_account_token")
+    def _default_automount_service_account_token(self):
+        # A notebook has no business with the Kubernetes API: no token in user pods unless configured.
+        return False
+
+    @default("profile_list")
+    def _default_profile_list(self):
+        return gpupool_profile_list
+
+    @default("options_form")
+    def _default_options_form(self):
+        if self.profile_form == "kubespawner":
+            return self._render_options_form_dynamically
+        return GPUPoolSpawnerMixin._render_form
+
+    def options_from_form(self, formdata):
+        options = super().options_from_form(formdata)
+        # KubeSpawner's form names the image choice `profile-option-<profile>--image`.
+        slug = options.get("profile")
+        image = formdata.get(f"profile-option-{slug}--image") if slug else None
+        if image and "image" not in options:
+            options["image"] = image[0]
+        return options
+
+    async def load_user_options(self):
+        """The mixin's checks replace KubeSpawner's profile_list validation and overrides.
+
+        KubeSpawner would merge `kubespawner_override` dictionaries into the spawner; here the checked choice
+        alone sets the traits, so nothing from `user_options` reaches the pod but profile, team and image.
+        """
+        if self.profile_list is not gpupool_profile_list:
+            self.log.warning("profile_list is configured, but GPUKubeSpawner's profiles come from the policy in %s: "
+                             "its entries only fill the kubespawner form, their kubespawner_override is ignored",
+                             self.policy_dir)
+        if self.gpupool_choice is None:  # started without going through apply_user_options
+            self._apply_choice(self, self.user_options)
+
+    # --- traits from the checked choice ---------------------------------------------------------------
+
+    def _baseline(self) -> dict[str, Any]:
+        if self._gpupool_baseline is None:
+            self._gpupool_baseline = {name: copy.deepcopy(getattr(self, name)) for name in CHOICE_TRAITS}
+        return copy.deepcopy(self._gpupool_baseline)
+
+    def gpu_resources(self, choice: Choice) -> GPUResources | None:
+        return profile_gpu(choice.profile, self.policy)
+
+    def binding(self, choice: Choice) -> VolcanoBinding:
+        return volcano_binding(choice.team, choice.profile.preemptible, self.gpupool_deprioritized)
+
+    def apply_choice(self, choice: Choice) -> None:
+        # Every choice starts from the configured values, so a second spawn with another profile keeps
+        # nothing of the first; the baseline is a deep copy and the traits get new objects.
+        base = self._baseline()
+        profile = choice.profile
+        gpu = self.gpu_resources(choice)
+        limits = {name: str(value) for name, value in (gpu.limits if gpu else {}).items()}
+        self.extra_resource_limits = {**base["extra_resource_limits"], **limits}
+        # Extended resources cannot be overcommitted: Kubernetes wants requests equal to limits.
+        self.extra_resource_guarantees = {**base["extra_resource_guarantees"], **limits}
+        self.node_selector = {**base["node_selector"], **(gpu.node_selector if gpu else {})}
+        tolerations = list(self._sorted_dict_values(base["tolerations"]) or [])
+        for toleration in gpu.tolerations if gpu else []:
+            if toleration not in tolerations:
+                tolerations.append(dict(toleration))
+        self.tolerations = tolerations
+        self.cpu_limit = float(parse_quantity(profile.cpu.limit)) if profile.cpu.limit else base["cpu_limit"]
+        self.cpu_guarantee = (float(parse_quantity(profile.cpu.guarantee)) if profile.cpu.guarantee
+                              else base["cpu_guarantee"])
+        self.mem_limit = int(parse_quantity(profile.memory.limit)) if profile.memory.limit else base["mem_limit"]
+        self.mem_guarantee = (int(parse_quantity(profile.memory.guarantee)) if profile.memory.guarantee
+                              else base["mem_guarantee"])
+        self.image = profile.images[choice.image].image if choice.image else base["image"]
+
+        binding = self.binding(choice)
+        self.scheduler_name = binding.scheduler_name
+        self.priority_class_name = binding.priority_class_name
+        labels = {TEAM_LABEL: choice.team, PROFILE_LABEL: choice.slug}
+        if profile.gpu is not None:
+            labels[MODEL_LABEL] = safe_slug(profile.gpu.model, is_valid=is_valid_label)
+        self.extra_labels = {**base["extra_labels"], **labels}
+        self.extra_annotations = {
+            **base["extra_annotations"], **(gpu.annotations if gpu else {}), **binding.annotations,
+            SHARE_ANNOTATION: str(profile_share(profile, self.policy)),
+        }
+        # The hub waits `start_timeout` for start() as a whole, queue included; the queue's own limit comes
+        # from policy and `_watch_queue` enforces both, counting start_timeout from admission only. The
+        # margin covers the pod creation KubeSpawner may retry before the queue even sees the pod.
+        self.start_timeout = (base["start_timeout"] + self.policy.queue_timeout(choice.team)
+                              + self.k8s_api_request_retry_timeout)
+
+    def get_env(self):
+        env = super().get_env()
+        choice = self.gpupool_choice
+        if choice is not None:
+            env["GPUPOOL_TEAM"] = choice.team
+            env["GPUPOOL_PROFILE"] = choice.slug
+            env["GPUPOOL_SHARE"] = str(profile_share(choice.profile, self.policy))
+            if choice.profile.gpu is not None:
+                env["GPUPOOL_GPU_MODEL"] = choice.profile.gpu.model
+        for name in FORBIDDEN_ENV:
+            env.pop(name, None)
+        return env
+
+    def sanitize(self, pod: V1Pod) -> V1Pod:
+        choice = self.gpupool_choice
+        gpu = self.gpu_resources(choice)
+        return sanitize_pod(pod, self.binding(choice), gpu.annotations if gpu else {})
+
+    async def get_pod_manifest(self):
+        await self.load_user_options()
+        return self.sanitize(await super().get_pod_manifest())
+
+    async def _make_create_pod_request(self, pod, request_timeout):
+        # `modify_pod_hook` runs between get_pod_manifest() and here: sanitize once more before it is sent.
+        return await super()._make_create_pod_request(self.sanitize(pod), request_timeout)
+
+    # --- the queue ---------------------------------------------------------------------------------------
+
+    def wanted(self, choice: Choice) -> podgroups.Wanted:
+        profile = choice.profile
+        gpu = self.gpu_resources(choice)
+        request = profile.gpu
+        return podgroups.Wanted(
+            display_name=profile.display_name, queue=team_queue(choice.team),
+            model=request.model if request else None,
+            amount=podgroups.amount_text(profile_share(profile, self.policy), request.mig if request else None,
+                                         request.count if request else None),
+            gpu_resources=frozenset(gpu.limits) if gpu else frozenset(),
+        )
+
+    def pod_requests(self) -> dict[str, Any]:
+        """What the notebook container requests of a node (a limit stands in where no guarantee is set)."""
+        requests: dict[str, Any] = {}
+        cpu = self.cpu_guarantee or self.cpu_limit
+        memory = self.mem_guarantee or self.mem_limit
+        if cpu:
+            requests["cpu"] = cpu
+        if memory:
+            requests["memory"] = memory
+        requests.update(self.extra_resource_guarantees or self.extra_resource_limits)
+        return requests
+
+    async def capacity_problem(self, choice: Choice) -> str | None:
+        """Why no node could ever hold this pod, from the nodes' allocatable resources; None if one could."""
+        if not self.check_node_capacity:
+            return None
+        try:
+            response = await asyncio.wait_for(self.api.list_node(_preload_content=False),
+                                              self.k8s_api_request_timeout)
+            if not response.ok:
+                raise ApiException(status=response.status, reason=response.reason)
+            nodes = json.loads(await response.read())["items"]
+        except (TimeoutError, ApiException, KeyError, ValueError) as error:
+            self.log.info("Not checking node capacity for %s (nodes cannot be listed: %s)", self._log_name,
+                          getattr(error, "status", None) or type(error).__name__)
+            return None
+        return podgroups.never_fits(self.pod_requests(), self.node_selector, nodes, choice.profile.display_name)
+
+    async def _gpupool_reflector(self, kind: str, reflector_class, **kwargs):
+        """A shared reflector kept with KubeSpawner's; None (and a log line) when it cannot list."""
+        key = self._get_reflector_key(kind)
+        reflector = self.__class__.reflectors.get(key)
+        if reflector is None:
+            reflector = reflector_class(parent=self, namespace=self.namespace,
+                                        omit_namespace=self.enable_user_namespaces, **kwargs)
+            self.__class__.reflectors[key] = reflector
+            try:
+                await reflector.start()
+            # Anything: Volcano's CRD missing or no RBAC (KubeSpawner's reflector then fails in its own error
+            # logging, not with an ApiException). Queue details are a comfort, the spawn goes on without them.
+            except Exception as error:  # noqa: BLE001
+                self.__class__.reflectors.pop(key, None)
+                self.log.warning("Cannot watch %s (%s): the spawn page will not show queue positions", kind, error)
+                return None
+        try:
+            await reflector.first_load_future
+        except Exception:  # noqa: BLE001 - started by another spawn and failed there (logged there)
+            return None
+        return reflector
+
+    async def _watch_queue(self, choice: Choice) -> None:
+        """Follow the pod through Volcano's queue until admitted and running; raises when a limit is hit.
+
+        Returns never: the spawn's other half (KubeSpawner's `_start`) finishes first when all goes well.
+        """
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        start_timeout = self._baseline()["start_timeout"]
+        queue_timeout = self.policy.queue_timeout(choice.team)
+        wanted = self.wanted(choice)
+        priorities = policy_priorities(self.policy)
+        # KubeSpawner's half starts the pod reflector; starting it here too could race it into two.
+        while self.pod_reflector is None:
+            await asyncio.sleep(self.queue_poll_interval)
+        pods = self.pod_reflector
+        await pods.first_load_future
+        groups = await self._gpupool_reflector("podgroups", PodGroupReflector)
+        group_events = await self._gpupool_reflector(
+            "podgroup-events", PodGroupEventReflector, fields={"involvedObject.kind": "PodGroup"})
+        ref_key = f"{self.namespace}/{self.pod_name}"
+        seen = False
+        admitted_at = None
+        reason = "waiting for Volcano to take it into the queue"
+        while True:
+            if self._gpupool_stopping:
+                raise web.HTTPError(503, f'{wanted.display_name}: stopped while waiting in queue "{wanted.queue}"')
+            pod = pods.resources.get(ref_key)
+            if pod is None and seen:
+                raise web.HTTPError(503, f"{wanted.display_name}: the pod was deleted while it waited in queue "
+                                         f'"{wanted.queue}"')
+            seen = seen or pod is not None
+            uid = ((pod or {}).get("metadata") or {}).get("uid")
+            name = podgroups.podgroup_name(uid) if uid else None
+            all_groups = list(groups.resources.values()) if groups else []
+            group = next((g for g in all_groups if (g.get("metadata") or {}).get("name") == name
+                          and (g.get("metadata") or {}).get("namespace") == self.namespace), None)
+            now = loop.time()
+            if podgroups.admitted(pod, group):
+                if admitted_at is None:
+                    admitted_at = now
+                    self._gpupool_status = f'{wanted.display_name}: admitted by queue "{wanted.queue}", starting'
+                elif now - admitted_at > start_timeout and not self.is_pod_running(pod):
+                    # (a running, ready pod has started: KubeSpawner notices at its next look)
+                    raise TimeoutError(f'{wanted.display_name} was admitted by queue "{wanted.queue}" but did not '
+                                       f"start within {start_timeout:g} seconds (start_timeout)")
+            else:
+                if pod is not None:
+                    events = [*(self.event_reflector.events if self.event_reflector else []),
+                              *(group_events.events if group_events else [])]
+                    messages = podgroups.scheduling_messages(pod, group, events)
+                    reason = podgroups.explain(messages, wanted, podgroups.phase(group))
+                    position = (podgroups.queue_position(all_groups, name, wanted.queue, priorities)
+                                if name else None)
+                    self._gpupool_status = podgroups.waiting_message(wanted, position, reason)
+                if now - began > queue_timeout:
+                    raise web.HTTPError(503, f'{wanted.display_name} waited {queue_timeout} seconds in queue '
+                                             f'"{wanted.queue}" without a place ({reason}); try again later '
+                                             "or pick a smaller profile")
+            await asyncio.sleep(self.queue_poll_interval)
+
+    async def _start(self):
+        await self.load_user_options()  # an invalid choice is refused here, before any API call
+        choice = self.gpupool_choice
+        problem = await self.capacity_problem(choice)
+        if problem:
+            # Not a user error and not temporary: the policy offers a profile this cluster cannot hold.
+            raise web.HTTPError(409, problem)
+        self._gpupool_status = None
+        self._gpupool_stopping = False
+        start = asyncio.ensure_future(super()._start())
+        watch = asyncio.ensure_future(self._watch_queue(choice))
+        try:
+            await asyncio.wait({start, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if start.done():
+                return start.result()
+            watch.result()  # raises why the wait ended
+            return await start
+        finally:
+            for task in (start, watch):
+                if not task.done():
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+
+    async def stop(self, now=False):
+        self._gpupool_stopping = True  # a spawn still waiting in the queue ends with a clear message
+        await super().stop(now=now)
+
+    async def progress(self):
+        """KubeSpawner's pod events, with the queue position and reason whenever they change.
+
+        Messages about the queue carry no `progress` value: waiting does not move the bar.
+        """
+        events = super().progress()
+        upcoming: asyncio.Future | None = asyncio.ensure_future(anext(events))
+        shown = None
+        try:
+            while True:
+                if upcoming is not None:
+                    await asyncio.wait({upcoming}, timeout=self.queue_poll_interval)
+                else:  # KubeSpawner's events are off or over: keep telling about the queue until start ends
+                    await asyncio.sleep(self.queue_poll_interval)
+                status = self._gpupool_status
+                if status and status != shown:
+                    shown = status
+                    yield {"message": status}
+                if upcoming is not None and upcoming.done():
+                    try:
+                        event = upcoming.result()
+                    except StopAsyncIteration:
+                        upcoming = None
+                    else:
+                        yield event
+                        upcoming = asyncio.ensure_future(anext(events))
+                if upcoming is None and (self._start_future is None or self._start_future.done()):
+                    break
+        finally:
+            if upcoming is not None and not upcoming.done():
+                upcoming.cancel()
+                with contextlib.suppress(BaseException):
+                    await upcoming
+            await events.aclose()
+
+    # --- state across hub restarts ---------------------------------------------------------------------
+
+    def get_state(self):
+        state = super().get_state()
+        if self.gpupool_choice:
+            state["choice"] = {"profile": self.gpupool_choice.slug, "team": self.gpupool_choice.team,
+                               "image": self.gpupool_choice.image}
+        return state
+
+    def clear_state(self):
+        super().clear_state()
+        # JupyterHub clears state before applying a new spawn's user_options: no choice outlives its spawn.
+        self.gpupool_choice = None
+
+    def load_state(self, state):
+        super().load_state(state)
+        choice = state.get("choice")
+        if choice and choice["profile"] in self.policy.profiles:
+            self.gpupool_choice = Choice(choice["profile"], copy.deepcopy(self.policy.profiles[choice["profile"]]),
+                                         choice["team"], choice["image"])
