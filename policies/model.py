@@ -390,6 +390,11 @@ class Settings(Strict):
     mps: Literal["auto", "off"] = Field(
         "auto", description="Embedded mode: enforce shares with the NVIDIA MPS daemon when it runs."
     )
+    alert_webhook: str | None = Field(
+        None,
+        pattern=r"https?://[^\s]+",
+        description="Budget alerts are also POSTed here as JSON (team, period, scope, threshold, message).",
+    )
 
 
 class Policy(Strict):

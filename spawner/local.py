@@ -11,8 +11,11 @@ import grp
 import os
 import pwd
 import shutil
+import json
 import subprocess
 import sys
+import threading
+import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -58,11 +61,26 @@ def admission(policy_of: Callable[[], Policy], ledger: Ledger, log) -> Decide:
             holdings, ledger.usage(periods.period_of(now), now),
         )
         if decision.admitted and decision.alerts:
+            webhook = policy_of().settings.alert_webhook
             for alert in ledger.claim_alerts(decision.alerts, now):
                 log.warning("gpupool budget alert: %s", alert.message)
+                if webhook:
+                    threading.Thread(target=post_alert, args=(webhook, alert, log), daemon=True).start()
         return Verdict(decision.action, "" if decision.admitted else decision.reason, decision.priority)
 
     return decide
+
+
+def post_alert(url: str, alert, log) -> None:
+    """POST one budget alert as JSON (in a thread: a slow receiver must not hold up the queue)."""
+    body = json.dumps({"team": alert.team, "period": alert.period, "scope": alert.scope or None,
+                       "threshold": alert.threshold_text, "message": alert.message}).encode()
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10):
+            pass
+    except OSError as error:
+        log.error("budget alert webhook %s failed: %s", url, error)
 
 
 def get_pool(state_dir: str, policy_of: Callable[[], Policy], ledger: Ledger, log) -> LocalPool:

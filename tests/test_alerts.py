@@ -1,0 +1,62 @@
+"""Budget alerts from the embedded queue's admission: logged and POSTed to the policy's webhook, once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from fractions import Fraction
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+from gpupool.hub.accounting import periods
+from gpupool.hub.accounting.admission import Holdings
+from gpupool.hub.accounting.ledger import Ledger
+from gpupool.policies.loader import load_policy_files
+from gpupool.spawner.local import admission
+from gpupool.spawner.pool import Request
+
+
+def test_alerts_reach_the_webhook_once(tmp_path, monkeypatch):
+    now = datetime(2026, 11, 15, 12, tzinfo=UTC)
+    monkeypatch.setattr(periods, "utcnow", lambda: now)
+    received: list[dict] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self):
+            received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (tmp_path / "policy.yaml").write_text(f"""
+models: {{H200: {{vendor: nvidia, memory_gib: 141, backends: [hami]}}}}
+teams: {{vision: {{budget: {{gpu_hours: 10, on_exhausted: alert}}}}}}
+profiles: {{q: {{display_name: q, gpu: {{model: H200, share: 0.25}}, teams: [vision]}}}}
+billing: {{prices: {{H200: '1'}}}}
+settings: {{alert_webhook: "http://127.0.0.1:{server.server_port}/hook"}}
+""")
+        policy = load_policy_files([tmp_path / "policy.yaml"])
+        ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite'}")
+        # one whole card for 9 hours: 9 GPU-hours of the 10, past the 80% threshold only
+        ledger.open_interval("old", "alice", "vision", "q", "H200", Fraction(1), now - timedelta(hours=10))
+        ledger.close_interval("old", now - timedelta(hours=1), "stopped")
+        assert ledger.usage(periods.period_of(now), now).team["vision"] == 9
+        decide = admission(lambda: policy, ledger, logging.getLogger("test"))
+        request = Request("bob/", "bob", "vision", "q", "q", "H200", Fraction(1, 4))
+        assert decide(request, Holdings()).action == "admit"
+        assert decide(request, Holdings()).action == "admit"  # asked again: no second alert
+        deadline = time.monotonic() + 5
+        while not received and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)
+        assert [a["threshold"] for a in received] == ["0.8"]
+        assert received[0]["team"] == "vision" and "has used 80% of its budget of 10 GPU-hours" in received[0]["message"]
+    finally:
+        server.shutdown()
