@@ -390,6 +390,8 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
             # logging, not with an ApiException). Queue details are a comfort, the spawn goes on without them.
             except Exception as error:  # noqa: BLE001
                 self.__class__.reflectors.pop(key, None)
+                if reflector.first_load_future.done():
+                    reflector.first_load_future.exception()  # seen: nobody else waits for this one now
                 self.log.warning("Cannot watch %s (%s): the spawn page will not show queue positions", kind, error)
                 return None
         try:
