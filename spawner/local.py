@@ -29,7 +29,7 @@ from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import AdmissionRequest, Holdings
 from gpupool.hub.accounting.admission import decide as admission_decision
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
-from gpupool.policies.model import Policy
+from gpupool.policies.model import Policy, parse_quantity
 from gpupool.spawner.mixin import Choice, GPUPoolSpawnerMixin
 from gpupool.spawner.pool import (
     AllocationStore, Decide, Denied, LocalPool, QueueTimeout, Request, Verdict, discover_cards, process_alive,
@@ -250,9 +250,9 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     def apply_choice(self, choice: Choice) -> None:
         profile = choice.profile
         if profile.memory.limit:
-            self.mem_limit = profile.memory.limit.replace("i", "")  # JupyterHub's ByteSpecification: 32G
+            self.mem_limit = int(parse_quantity(profile.memory.limit))  # bytes: 32Gi and 32G both exact
         if profile.cpu.limit:
-            self.cpu_limit = float(profile.cpu.limit.removesuffix("m")) / (1000 if profile.cpu.limit.endswith("m") else 1)
+            self.cpu_limit = float(parse_quantity(profile.cpu.limit))
         # Waiting in the queue must not count against start_timeout: allow the queue timeout on top.
         base = getattr(self, "_gpupool_base_start_timeout", None) or self.start_timeout
         self._gpupool_base_start_timeout = base

@@ -59,3 +59,4 @@ def test_apply_choice_extends_start_timeout_by_the_queue_timeout():
     spawner._apply_choice(spawner, {"profile": "h200-quarter"})
     spawner._apply_choice(spawner, {"profile": "h200-quarter"})  # twice: not added twice
     assert spawner.start_timeout == base + 3600
+    assert spawner.mem_limit == 32 * 2**30 and spawner.cpu_limit == 8.0  # 32Gi, 8 CPUs
