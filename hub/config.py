@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpupool.hub.accounting.service import SERVICE_SCOPES as ACCOUNTING_SCOPES
+from gpupool.hub.wiring import ACCOUNTING_SERVICE, accounting_roles, team_groups
 from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -109,17 +109,14 @@ def apply_config(c, settings: Settings) -> None:
     c.Authenticator.admin_users = {settings.admin}
 
     # Teams are JupyterHub groups, created from policies at start-up with the members policies list.
-    c.JupyterHub.load_groups = {
-        name: {"users": list(team.members), "properties": {"gpupool.team": "true"}}
-        for name, team in policy.teams.items()
-    }
+    c.JupyterHub.load_groups = team_groups(policy)
     token_file = state / "cli-token"
     services = [{"name": "gpupool-cli", "api_token": token_file.read_text().strip()}] if token_file.exists() else []
     roles = [{"name": "gpupool-cli", "description": "gpupool team add-member", "scopes": CLI_SCOPES,
               "services": ["gpupool-cli"]}] if services else []
     # The accounting service: usage, budgets, bills, metrics (hub-managed, least-privilege role).
     services.append({
-        "name": "accounting",
+        "name": ACCOUNTING_SERVICE,
         "url": f"http://127.0.0.1:{settings.accounting_port}",
         "command": [sys.executable, "-m", "gpupool.hub.accounting.service"],
         "environment": {"GPUPOOL_STATE_DIR": str(state), "GPUPOOL_POLICIES": str(settings.policy_dir),
@@ -127,9 +124,6 @@ def apply_config(c, settings: Settings) -> None:
         "oauth_no_confirm": True,
         "display": True,
     })
-    roles.append({"name": "gpupool-accounting", "description": "gpupool-accounting reads team membership",
-                  "scopes": ACCOUNTING_SCOPES, "services": ["accounting"]})
-    # Every user may use the accounting pages; what they see there is decided by the service.
-    roles.append({"name": "user", "scopes": ["self", "access:services!service=accounting"]})
+    roles += [{"name": name, **role} for name, role in accounting_roles().items()]
     c.JupyterHub.services = services + list(settings.extra_services)
     c.JupyterHub.load_roles = roles

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from gpupool.hub.wiring import ACCOUNTING_SERVICE, accounting_roles, team_groups
 from gpupool.policies.model import DNS_LABEL, Policy
 
 QUEUE_API_VERSION = "scheduling.volcano.sh/v1beta1"
@@ -29,10 +30,8 @@ SPAWNER_CLASS = "gpupool.spawner.kube.GPUKubeSpawner"
 #: Where the hub and the accounting service find the policy files (the policy ConfigMap, mounted).
 POLICY_DIR = "/etc/gpupool/policies"
 POLICY_VOLUME = "gpupool-policies"
-#: The accounting service's name in JupyterHub, as in the embedded mode (`/services/accounting/`), its role,
-#: and the port of its Deployment (helm/gpupool/templates/accounting.yaml).
-ACCOUNTING_SERVICE = "accounting"
-ACCOUNTING_ROLE = "gpupool-accounting"
+#: The port of the accounting service's Deployment (helm/gpupool/templates/accounting.yaml); its name and
+#: roles are the embedded mode's (gpupool.hub.wiring).
 ACCOUNTING_PORT = 8080
 
 DEVICE_PLUGIN_CONFIG_LABEL = "nvidia.com/device-plugin.config"
@@ -274,13 +273,6 @@ def cluster_objects(policy: Policy, files: Mapping[str, str], release: Release) 
     return objects
 
 
-def accounting_scopes() -> list[str]:
-    """The scopes the accounting service declares it needs (and the hub grants it, nothing more)."""
-    from gpupool.hub.accounting.service import SERVICE_SCOPES
-
-    return list(SERVICE_SCOPES)
-
-
 def _authenticator_teams(policy: Policy) -> list[str]:
     return [name for name, team in policy.teams.items() if team.group_source == "authenticator"]
 
@@ -297,10 +289,7 @@ def jupyterhub_values(policy: Policy, release: Release) -> dict[str, Any]:
         config["Authenticator"] = {"manage_groups": True}
     else:
         # As in the embedded mode (hub/config.py): teams are groups, created with their policy members.
-        config["JupyterHub"]["load_groups"] = {
-            name: {"users": list(team.members), "properties": {"gpupool.team": "true"}}
-            for name, team in sorted(policy.teams.items())
-        }
+        config["JupyterHub"]["load_groups"] = team_groups(policy)
     # A notebook holds no Kubernetes credentials: KubeSpawner would mount a token whenever a service
     # account is set, and z2jh has no singleuser key for this trait.
     config["KubeSpawner"] = {"automount_service_account_token": False}
@@ -319,14 +308,7 @@ def jupyterhub_values(policy: Policy, release: Release) -> dict[str, Any]:
             },
             # The same roles as the embedded mode's (hub/config.py): the service gets exactly the scopes it
             # declares, and every user may open its pages, where the service decides what each one sees.
-            "loadRoles": {
-                ACCOUNTING_ROLE: {
-                    "description": "gpupool-accounting reads team membership",
-                    "scopes": accounting_scopes(),
-                    "services": [ACCOUNTING_SERVICE],
-                },
-                "user": {"scopes": ["self", f"access:services!service={ACCOUNTING_SERVICE}"]},
-            },
+            "loadRoles": accounting_roles(),
         },
         # Volcano places user pods; z2jh's user scheduler, its placeholders and its own PriorityClasses
         # would compete with the team queues and priorities.

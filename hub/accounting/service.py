@@ -33,8 +33,6 @@ from gpupool.spawner.mixin import current_policy
 
 log = logging.getLogger("gpupool.accounting")
 
-#: The JupyterHub scopes of the service's own role: reading groups (team membership) and nothing else.
-SERVICE_SCOPES = ["list:groups", "read:groups"]
 #: Requests may not carry bodies larger than this (the API only reads).
 MAX_BODY_BYTES = 64 * 1024
 
