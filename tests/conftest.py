@@ -25,8 +25,23 @@ import pytest
 PG_TOOLS = ("initdb", "pg_ctl")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--gpu", action="store_true", default=False,
+                     help="also run the tests that need a real NVIDIA GPU and driver (tests/test_gpu.py)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "postgresql: runs against a real PostgreSQL server started by the tests")
+    config.addinivalue_line("markers", "gpu: needs a real NVIDIA GPU; opt in with --gpu")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--gpu"):
+        return
+    skip = pytest.mark.skip(reason="needs a real NVIDIA GPU and driver: run with --gpu on such a machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 def find_postgres_bin() -> Path | None:
