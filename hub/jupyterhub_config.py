@@ -4,8 +4,6 @@ Settings come from GPUPOOL_* variables (see `gpupool up --help`). Files in `<sta
 are run afterwards with the same `c`, for anything gpupool does not set.
 """
 
-from pathlib import Path
-
 from gpupool.hub.config import Settings, apply_config
 
 c = get_config()  # noqa: F821 - provided by JupyterHub

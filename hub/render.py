@@ -58,12 +58,9 @@ def dump(documents: list[Any]) -> str:
 
 def policy_files(directory: Path) -> dict[str, str]:
     """The text of each policy file: the files `load_policy` reads (*.yaml, *.yml directly inside)."""
-    if not directory.is_dir():
-        return {}
-    return {
-        p.name: p.read_text(encoding="utf-8")
-        for p in sorted(directory.iterdir()) if p.suffix in (".yaml", ".yml") and p.is_file()
-    }
+    from gpupool.policies.loader import policy_file_paths
+
+    return {p.name: p.read_text(encoding="utf-8") for p in policy_file_paths(directory)}
 
 
 def object_filename(index: int, obj: dict[str, Any]) -> str:

@@ -24,7 +24,7 @@ def _write_private(path: Path, data: bytes) -> None:
         f.write(data)
 
 
-def prepare_state(state: Path, admin: str, password_file: str | None) -> str | None:
+def prepare_state(state: Path, password_file: str | None) -> str | None:
     """Create the state folder, the CLI service token and the first admin; the new password, if one was made."""
     state.mkdir(parents=True, exist_ok=True)
     os.chmod(state, 0o700)
@@ -49,7 +49,7 @@ def up(args: argparse.Namespace) -> int:
         print(f"gpupool up: the policies in {policy_dir} are invalid; fix them (gpupool policy check)", file=sys.stderr)
         return 1
     state = Path(args.state_dir).resolve()
-    password = prepare_state(state, args.admin, args.admin_password_file)
+    password = prepare_state(state, args.admin_password_file)
     url = f"http://{args.ip}:{args.port}/"
     (state / "hub.json").write_text(json.dumps({"url": url, "admin": args.admin}))
     print(f"gpupool: {policy.summary()} from {policy_dir}; state in {state}")

@@ -243,12 +243,20 @@ def _explain(error: dict[str, Any]) -> str:
     return message
 
 
+def policy_file_paths(directory: str | FilePath) -> list[FilePath]:
+    """The files a policy directory consists of: `*.yaml` / `*.yml` directly inside, in name order."""
+    directory = FilePath(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+
+
 def load_policy(directory: str | FilePath) -> Policy:
     """Load and check every `*.yaml` / `*.yml` file directly inside `directory` (not its subfolders)."""
     directory = FilePath(directory)
     if not directory.is_dir():
         raise PolicyError([PolicyProblem(str(directory), 1, 1, (), "not a directory of policy files")])
-    files = sorted(p for p in directory.iterdir() if p.suffix in (".yaml", ".yml") and p.is_file())
+    files = policy_file_paths(directory)
     if not files:
         raise PolicyError([PolicyProblem(str(directory), 1, 1, (), "no *.yaml policy files in this directory")])
     return load_policy_files(files)

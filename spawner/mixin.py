@@ -18,6 +18,7 @@ from traitlets import Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from gpupool.policies import DEFAULT_POLICY_DIR, Policy, PolicyError, load_policy
+from gpupool.policies.loader import policy_file_paths
 from gpupool.policies.model import Profile
 from gpupool.spawner.resources import profile_share
 
@@ -30,7 +31,7 @@ _policy_cache: dict[str, tuple[float, Policy]] = {}
 def current_policy(directory: str | Path, log=None) -> Policy:
     """The policy in `directory`, re-read when a file changes; an invalid edit keeps the last valid policy."""
     directory = str(directory)
-    files = sorted(Path(directory).glob("*.y*ml"))
+    files = policy_file_paths(directory)
     stamp = max((f.stat().st_mtime_ns for f in files), default=0) + len(files)
     cached = _policy_cache.get(directory)
     if cached and cached[0] == stamp:

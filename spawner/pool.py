@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -431,10 +432,12 @@ class LocalPool:
         # Verdicts first, because a deprioritized request queues behind everyone else.
         verdicts = {t.request.key: self.decide(t.request, Holdings.of(allocations)) for t in pending}
         blocked_models: set[str] = set()
+        placed = False
         for ticket in sorted(pending, key=lambda t: self._order(t, verdicts)):
             request = ticket.request
-            verdict = self.decide(request, Holdings.of(allocations))
-            verdicts[request.key] = verdict
+            if placed:  # holdings changed since the first pass: decide again
+                verdicts[request.key] = self.decide(request, Holdings.of(allocations))
+            verdict = verdicts[request.key]
             if verdict.action == "deny":
                 ticket.future.set_exception(Denied(verdict.reason))
                 continue
@@ -451,13 +454,15 @@ class LocalPool:
                 ticket.reason = self._capacity_reason(request, allocations)
                 continue
             allocations.append(allocation)
+            placed = True
             QUEUE_WAIT.labels(request.team).observe(time.monotonic() - ticket.arrived)
             ticket.future.set_result(allocation)
-        still = [t for t in pending if not t.future.done()]
+        still = sorted((t for t in pending if not t.future.done()), key=lambda t: self._order(t, verdicts))
+        queue_lengths = Counter(t.request.team for t in still)
+        positions: Counter[str] = Counter()
         for ticket in still:
-            same_queue = sorted((t for t in still if t.request.team == ticket.request.team),
-                                key=lambda t: self._order(t, verdicts))
-            ticket.position, ticket.of = same_queue.index(ticket) + 1, len(same_queue)
+            positions[ticket.request.team] += 1
+            ticket.position, ticket.of = positions[ticket.request.team], queue_lengths[ticket.request.team]
             if ticket.message() != ticket.last_message:
                 ticket.last_message = ticket.message()
                 ticket.changed.set()
