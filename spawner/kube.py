@@ -12,12 +12,18 @@ import asyncio
 import contextlib
 import copy
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpupool.hub.accounting import periods
+from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest, Decision
+from gpupool.hub.accounting.ledger import HowEnded, Ledger
+from gpupool.hub.accounting.notify import admit_now
 from gpupool.policies.model import Policy, parse_quantity
 from gpupool.spawner import podgroups
+from gpupool.spawner.local import LEDGER_WRITE_ERRORS, get_ledger
 from gpupool.spawner.mixin import Choice, GPUPoolSpawnerMixin
 from gpupool.spawner.resources import GPUResources, profile_gpu, profile_share
 from gpupool.spawner.volcano import (
@@ -117,6 +123,11 @@ def sanitize_pod(pod: V1Pod, binding: VolcanoBinding, own_annotations: Mapping[s
     return pod
 
 
+def usage_key(user: str, server: str, pod: str, start) -> str:
+    """The ledger key of one run of a server's pod: the same run always has the same key."""
+    return f"{user}/{server}@{pod}/{start.isoformat()}"
+
+
 def gpupool_profile_list(spawner: GPUKubeSpawner) -> list[dict]:
     """The policy's profiles for the user's teams in KubeSpawner's `profile_list` format, for its form.
 
@@ -209,9 +220,25 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         """,
     ).tag(config=True)
 
-    #: Set (e.g. by the accounting's admission) before start when the team's budget is exhausted and its
+    ledger_url = Unicode(
+        help="""
+        SQLAlchemy URL of the usage ledger the accounting service reads (PostgreSQL in a cluster). Every spawn
+        is admitted against it (quotas, budgets) and its usage recorded in it from the moment the pod runs.
+        Default: the `GPUPOOL_LEDGER_URL` environment variable, which the Helm chart sets.
+
+            c.GPUKubeSpawner.ledger_url = "postgresql+psycopg://gpupool@postgres/gpupool"
+        """,
+    ).tag(config=True)
+
+    @default("ledger_url")
+    def _default_ledger_url(self):
+        return os.environ.get("GPUPOOL_LEDGER_URL", "")
+
+    #: Set by the accounting's admission before the pod is made when the team's budget is exhausted and its
     #: `on_exhausted` is `deprioritize`: the pod then runs as lowest-priority, preemptable work.
     gpupool_deprioritized: bool = False
+    #: The server's interval in the usage ledger while its pod runs.
+    usage_key: str | None = None
 
     _gpupool_baseline: dict[str, Any] | None = None
     _gpupool_status: str | None = None
@@ -460,23 +487,97 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
                                              "or pick a smaller profile")
             await asyncio.sleep(self.queue_poll_interval)
 
+    # --- accounting: admission before the pod, usage while it runs ------------------------------------
+
+    @property
+    def ledger(self) -> Ledger:
+        if not self.ledger_url:
+            raise web.HTTPError(503, "gpupool accounting is not configured: set GPUKubeSpawner.ledger_url "
+                                     "(or GPUPOOL_LEDGER_URL in the hub's environment; the Helm chart does)")
+        return get_ledger(self.ledger_url)
+
+    def _ledger(self, operation: str, call, *args):
+        """A ledger write; a failure is counted and logged, and never takes the user's server down."""
+        try:
+            return call(*args)
+        except Exception:  # noqa: BLE001
+            LEDGER_WRITE_ERRORS.labels(operation).inc()
+            self.log.exception("gpupool ledger %s failed for %s", operation, self._log_name)
+            return None
+
+    async def admit(self, choice: Choice) -> Decision:
+        """The accounting's decision, as in the embedded mode: a budget `deny` refuses with 403, a full
+        quota waits (with the reason on the spawn page) until shares free up or the queue timeout, a
+        budget `deprioritize` turns the pod into lowest-priority, preemptable work.
+
+        Holdings are the team's running servers in the ledger; Volcano's queue capability then bounds the
+        pods that wait in the cluster.
+        """
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        queue_timeout = self.policy.queue_timeout(choice.team)
+        ledger = self.ledger
+        while True:
+            policy = self.policy
+            request = AdmissionRequest(user=self.user.name, team=choice.team, at=periods.utcnow(), profile=choice.slug)
+            holdings = await asyncio.to_thread(ledger.holdings)
+            decision = await asyncio.to_thread(admit_now, policy, ledger, request, holdings, self.log)
+            if decision.action == "deny":
+                raise web.HTTPError(403, decision.reason)
+            if decision.admitted:
+                return decision
+            self._gpupool_status = f"Waiting for {choice.profile.display_name}: {decision.reason}"
+            if self._gpupool_stopping:
+                raise web.HTTPError(503, f"{choice.profile.display_name}: stopped while waiting for quota")
+            if loop.time() - began > queue_timeout:
+                raise web.HTTPError(503, f"{choice.profile.display_name} waited {queue_timeout} seconds for quota "
+                                         f"({decision.reason}); try again later or pick a smaller profile")
+            await asyncio.sleep(self.queue_poll_interval)
+
+    def _open_usage(self, start) -> None:
+        choice = self.gpupool_choice
+        if choice.profile.gpu is None:
+            return
+        self.usage_key = usage_key(self.user.name, self.name, self.pod_name, start)
+        self._ledger("open", self.ledger.open_interval, self.usage_key, self.user.name, choice.team, choice.slug,
+                     choice.profile.gpu.model, profile_share(choice.profile, self.policy), start)
+
+    def _close_usage(self, how: HowEnded) -> None:
+        if self.usage_key:
+            end = periods.utcnow()
+            if how is HowEnded.FAILED:
+                interval = self._ledger("read", self.ledger.interval, self.usage_key)
+                if interval is not None:
+                    end = interval.last_seen  # it ended unseen: count it until it was last seen running
+            self._ledger("close", self.ledger.close_interval, self.usage_key, end, how)
+            self.usage_key = None
+
     async def _start(self):
         await self.load_user_options()  # an invalid choice is refused here, before any API call
         choice = self.gpupool_choice
+        self._gpupool_stopping = False
+        decision = await self.admit(choice)
+        deprioritized = decision.priority == LOWEST_PRIORITY
+        if deprioritized != self.gpupool_deprioritized:
+            self.gpupool_deprioritized = deprioritized
+            self.apply_choice(choice)  # the PriorityClass and the preemptable annotation follow
         problem = await self.capacity_problem(choice)
         if problem:
             # Not a user error and not temporary: the policy offers a profile this cluster cannot hold.
             raise web.HTTPError(409, problem)
         self._gpupool_status = None
-        self._gpupool_stopping = False
         start = asyncio.ensure_future(super()._start())
         watch = asyncio.ensure_future(self._watch_queue(choice))
         try:
             await asyncio.wait({start, watch}, return_when=asyncio.FIRST_COMPLETED)
             if start.done():
-                return start.result()
-            watch.result()  # raises why the wait ended
-            return await start
+                url = start.result()
+            else:
+                watch.result()  # raises why the wait ended
+                url = await start
+            # Usage counts from the moment the pod runs, not while it waited in Volcano's queue.
+            self._open_usage(periods.utcnow())
+            return url
         finally:
             for task in (start, watch):
                 if not task.done():
@@ -486,7 +587,23 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
 
     async def stop(self, now=False):
         self._gpupool_stopping = True  # a spawn still waiting in the queue ends with a clear message
-        await super().stop(now=now)
+        try:
+            await super().stop(now=now)
+        finally:
+            self._close_usage(HowEnded.STOPPED)
+
+    async def poll(self):
+        status = await super().poll()
+        if status is not None and self.usage_key and not self._spawn_pending:
+            self._close_usage(HowEnded.FAILED)  # the pod is gone: JupyterHub will not call stop()
+        elif status is None and self.usage_key:
+            now = periods.utcnow()
+            if self._ledger("heartbeat", self.ledger.heartbeat, self.usage_key, now) is False:
+                # Closed by reconciliation while the hub was away although the pod ran on: continue from
+                # where that interval ended, so that no GPU-second is lost or counted twice.
+                old = self._ledger("read", self.ledger.interval, self.usage_key)
+                self._open_usage(old.end if old is not None and old.end is not None else now)
+        return status
 
     async def progress(self):
         """KubeSpawner's pod events, with the queue position and reason whenever they change.
@@ -530,15 +647,22 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         if self.gpupool_choice:
             state["choice"] = {"profile": self.gpupool_choice.slug, "team": self.gpupool_choice.team,
                                "image": self.gpupool_choice.image}
+        if self.usage_key:
+            state["usage_key"] = self.usage_key
+        if self.gpupool_deprioritized:
+            state["deprioritized"] = True
         return state
 
     def clear_state(self):
         super().clear_state()
         # JupyterHub clears state before applying a new spawn's user_options: no choice outlives its spawn.
         self.gpupool_choice = None
+        self.gpupool_deprioritized = False
 
     def load_state(self, state):
         super().load_state(state)
+        self.usage_key = state.get("usage_key")
+        self.gpupool_deprioritized = bool(state.get("deprioritized"))
         choice = state.get("choice")
         if choice and choice["profile"] in self.policy.profiles:
             self.gpupool_choice = Choice(choice["profile"], copy.deepcopy(self.policy.profiles[choice["profile"]]),

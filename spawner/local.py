@@ -11,11 +11,8 @@ import grp
 import os
 import pwd
 import shutil
-import json
 import subprocess
 import sys
-import threading
-import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +24,8 @@ from traitlets import Unicode, default
 
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import AdmissionRequest, Holdings
-from gpupool.hub.accounting.admission import decide as admission_decision
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
+from gpupool.hub.accounting.notify import admit_now
 from gpupool.policies.model import Policy, parse_quantity
 from gpupool.spawner.mixin import Choice, GPUPoolSpawnerMixin
 from gpupool.spawner.pool import (
@@ -55,32 +52,11 @@ def admission(policy_of: Callable[[], Policy], ledger: Ledger, log) -> Decide:
     """The accounting's admission decision for the pool's queue: quotas wait, budgets follow on_exhausted."""
 
     def decide(request: Request, holdings: Holdings) -> Verdict:
-        now = periods.utcnow()
-        decision = admission_decision(
-            policy_of(), AdmissionRequest(user=request.user, team=request.team, at=now, profile=request.profile),
-            holdings, ledger.usage(periods.period_of(now), now),
-        )
-        if decision.admitted and decision.alerts:
-            webhook = policy_of().settings.alert_webhook
-            for alert in ledger.claim_alerts(decision.alerts, now):
-                log.warning("gpupool budget alert: %s", alert.message)
-                if webhook:
-                    threading.Thread(target=post_alert, args=(webhook, alert, log), daemon=True).start()
+        asked = AdmissionRequest(user=request.user, team=request.team, at=periods.utcnow(), profile=request.profile)
+        decision = admit_now(policy_of(), ledger, asked, holdings, log)
         return Verdict(decision.action, "" if decision.admitted else decision.reason, decision.priority)
 
     return decide
-
-
-def post_alert(url: str, alert, log) -> None:
-    """POST one budget alert as JSON (in a thread: a slow receiver must not hold up the queue)."""
-    body = json.dumps({"team": alert.team, "period": alert.period, "scope": alert.scope or None,
-                       "threshold": alert.threshold_text, "message": alert.message}).encode()
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=10):
-            pass
-    except OSError as error:
-        log.error("budget alert webhook %s failed: %s", url, error)
 
 
 def get_pool(state_dir: str, policy_of: Callable[[], Policy], ledger: Ledger, log) -> LocalPool:

@@ -15,16 +15,20 @@ import itertools
 import re
 import shutil
 import uuid
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from fractions import Fraction
 from pathlib import Path
 
 import kmock
 import pytest
 import pytest_asyncio
 import yaml
+from gpupool.hub.accounting import periods
+from gpupool.hub.accounting.ledger import HowEnded, Ledger
 from gpupool.policies import load_policy
 from gpupool.spawner import podgroups
 from gpupool.spawner.kube import GPUKubeSpawner, policy_priorities, volcano_binding
+from gpupool.spawner.local import get_ledger
 from jupyterhub import orm
 from jupyterhub.objects import Hub, Server
 from jupyterhub.user import User
@@ -241,6 +245,14 @@ async def fresh_reflectors():
     await KubeSpawner._stop_all_reflectors()
 
 
+@pytest.fixture(autouse=True)
+def ledger(tmp_path, monkeypatch) -> Ledger:
+    """The usage ledger the spawners admit against and record into (GPUPOOL_LEDGER_URL, as the chart sets)."""
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
+    monkeypatch.setenv("GPUPOOL_LEDGER_URL", url)
+    return get_ledger(url)
+
+
 @pytest_asyncio.fixture
 async def cluster():
     async with KubernetesAPIDouble() as api, kmock.Server(api) as server:
@@ -287,12 +299,16 @@ class HubDB:
         self.db.commit()
 
 
-def policy_copy(tmp_path: Path, queue_timeout: int) -> Path:
-    """The example policy with the vision team's queue timeout shortened, so a test can reach it."""
+def policy_copy(tmp_path: Path, queue_timeout: int, budgets: dict[str, int] | None = None) -> Path:
+    """The example policy with the vision team's queue timeout shortened, so a test can reach it, and
+    the GPU-hour budgets of some teams (`budgets`: team → GPU-hours) made small enough to exhaust."""
     directory = tmp_path / "policies"
     shutil.copytree(EXAMPLES, directory)
     teams = yaml.safe_load((directory / "teams.yaml").read_text())
     teams["teams"]["vision"]["queue"]["timeout_seconds"] = queue_timeout
+    for team, hours in (budgets or {}).items():
+        teams["teams"][team]["budget"]["gpu_hours"] = hours
+        teams["teams"][team]["budget"].pop("per_model", None)
     (directory / "teams.yaml").write_text(yaml.safe_dump(teams, sort_keys=False, allow_unicode=True))
     return directory
 
@@ -776,7 +792,8 @@ def begin_spawn(hub: HubDB, spawner: GPUKubeSpawner) -> tuple[asyncio.Future, li
 
 
 @pytest.mark.asyncio
-async def test_spawn_waits_in_queue_with_position_then_runs_stops_and_survives_restart(cluster, tmp_path):
+async def test_spawn_waits_in_queue_with_position_then_runs_stops_and_survives_restart(
+        cluster, tmp_path, ledger, monkeypatch):
     c = spawner_config(policy_copy(tmp_path, queue_timeout=30), cluster.url, start_timeout=2)
 
     def modify_pod_hook(spawner, pod):
@@ -826,12 +843,16 @@ async def test_spawn_waits_in_queue_with_position_then_runs_stops_and_survives_r
     while clock() - began < 3:
         await asyncio.sleep(0.05)
     assert not started.done()
+    assert ledger.open_intervals() == []  # waiting in Volcano's queue is not usage
 
     # Admitted and running: the kubelet's part.
     await cluster.set_podgroup_status(mine, {"phase": "Running", "conditions": []})
     await cluster.run_pod(spawner.pod_name)
     url = await started
     assert url == "http://127.0.0.1:8888"
+    running = ledger.open_intervals()
+    assert [(i.key, i.user, i.team, i.profile, i.model, i.share) for i in running] == [
+        (spawner.usage_key, "alice", "vision", "h200-quarter", "H200", Fraction(1, 4))]
     await asyncio.wait_for(progress, 5)  # progress ends with the start
     assert any("admitted by queue" in e.get("message", "") for e in events)
     assert any("[Warning] 0/2 nodes are unavailable" in e.get("message", "") for e in events)  # KubeSpawner's own
@@ -845,11 +866,17 @@ async def test_spawn_waits_in_queue_with_position_then_runs_stops_and_survives_r
     assert again is not spawner
     assert again.pod_name == spawner.pod_name and again.gpupool_choice.slug == "h200-quarter"
     assert again.gpupool_choice.team == "vision"
+    assert again.usage_key == spawner.usage_key
+    later = running[0].start + timedelta(minutes=10)
+    monkeypatch.setattr(periods, "utcnow", lambda: later)
     assert await again.poll() is None
+    assert ledger.interval(again.usage_key).last_seen == later  # the heartbeat
 
     await again.stop()
     assert cluster.object("pods", spawner.pod_name) is None
     assert await again.poll() == 1
+    ended = ledger.interval(spawner.usage_key)
+    assert ended.how == HowEnded.STOPPED and ended.end is not None and ledger.open_intervals() == []
 
 
 @pytest.mark.asyncio
@@ -974,5 +1001,77 @@ async def test_without_volcanos_podgroups_the_wait_is_still_explained(cluster, t
         'Waiting for MIG 1g.18gb (H200) in queue "vision" (no H200 has a MIG 1g.18gb slice free)')
     await spawner.stop(now=True)
     with pytest.raises(web.HTTPError, match="stopped while waiting"):
+        await asyncio.wait_for(started, 10)
+    await asyncio.wait_for(progress, 5)
+
+
+# --- (e) the accounting's admission, as in the embedded mode ---------------------------------------------------
+
+
+def used(ledger: Ledger, team: str, hours: int, user: str = "carol") -> None:
+    """`hours` GPU-hours of one whole H200 already used by `team` this period (ended a minute ago)."""
+    now = periods.utcnow()
+    start = max(now - timedelta(hours=hours, minutes=1), datetime.fromisoformat(periods.period_of(now) + "-01")
+                .replace(tzinfo=UTC))
+    share = Fraction(hours * 3600, int((now - timedelta(minutes=1) - start).total_seconds()))
+    ledger.open_interval(f"seed-{team}", user, team, "h200-whole-2", "H200", share, start)
+    ledger.close_interval(f"seed-{team}", now - timedelta(minutes=1), HowEnded.STOPPED)
+
+
+@pytest.mark.asyncio
+async def test_an_exhausted_deny_budget_refuses_with_403_before_any_api_call(cluster, tmp_path, ledger):
+    used(ledger, "nlp", 3)
+    hub = HubDB(spawner_config(policy_copy(tmp_path, queue_timeout=30, budgets={"nlp": 2}), cluster.url))
+    spawner = hub.spawner("bob", ("nlp",))
+    await spawner._run_apply_user_options({"profile": "a100-whole"})
+    with pytest.raises(web.HTTPError) as refused:
+        await spawner.start()
+    assert refused.value.status_code == 403
+    # (tornado keeps a message without arguments %-escaped)
+    assert refused.value.log_message % () == (
+        f'team "nlp": budget of 2 GPU-hours for {periods.period_of(periods.utcnow())} used: 3 (150%); '
+        f"resets {periods.period_reset(periods.period_of(periods.utcnow()))}")
+    assert cluster.requests() == []
+    assert ledger.open_intervals() == []
+
+
+@pytest.mark.asyncio
+async def test_an_exhausted_deprioritize_budget_runs_the_pod_as_lowest_priority_preemptable(
+        cluster, tmp_path, ledger):
+    used(ledger, "vision", 3)
+    hub = HubDB(spawner_config(policy_copy(tmp_path, queue_timeout=30, budgets={"vision": 2}), cluster.url))
+    spawner = hub.spawner("alice", ("vision",))
+    await spawner._run_apply_user_options({"profile": "h200-quarter"})
+    started, _events, progress = begin_spawn(hub, spawner)
+    pod = await cluster.pod_named(spawner.pod_name)
+    assert pod["spec"]["priorityClassName"] == "gpupool-deprioritized"
+    assert pod["metadata"]["annotations"]["volcano.sh/preemptable"] == "true"
+    assert pod["metadata"]["annotations"]["scheduling.volcano.sh/queue-name"] == "vision"
+    assert spawner.get_state()["deprioritized"] is True
+    await spawner.stop(now=True)
+    with pytest.raises(web.HTTPError):
+        await asyncio.wait_for(started, 10)
+    await asyncio.wait_for(progress, 5)
+    assert ledger.open_intervals() == []  # it never ran
+
+
+@pytest.mark.asyncio
+async def test_a_full_per_user_quota_waits_without_a_pod_until_shares_free_up(cluster, tmp_path, ledger):
+    # alice already runs 2 whole H200 (her per-user quota in vision is 2 GPUs)
+    ledger.open_interval("alice-other-server", "alice", "vision", "h200-whole-2", "H200", Fraction(2),
+                         periods.utcnow() - timedelta(minutes=5))
+    hub = HubDB(spawner_config(policy_copy(tmp_path, queue_timeout=30), cluster.url))
+    spawner = hub.spawner("alice", ("vision",))
+    await spawner._run_apply_user_options({"profile": "h200-quarter"})
+    started, events, progress = begin_spawn(hub, spawner)
+    message = await wait_for_message(events, "quota")
+    assert message == ('Waiting for 0.25 × H200 (HAMi): alice holds 2 of 2 GPUs allowed per member of team '
+                       '"vision" (quota)')
+    assert not [r for r in cluster.requests() if "pods" in r.url.path and r.method == "POST"]
+    ledger.close_interval("alice-other-server", periods.utcnow(), HowEnded.STOPPED)
+    pod = await cluster.pod_named(spawner.pod_name)  # admitted now: the pod goes to Volcano's queue
+    assert pod["spec"]["priorityClassName"] == "gpupool-vision"
+    await spawner.stop(now=True)
+    with pytest.raises(web.HTTPError):
         await asyncio.wait_for(started, 10)
     await asyncio.wait_for(progress, 5)
