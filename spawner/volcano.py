@@ -71,8 +71,17 @@ class Release:
         return f"{self.name}-accounting"
 
     @property
+    def hub_env_configmap(self) -> str:
+        """What the hub's environment takes from the chart (helm/gpupool/templates/hub-access.yaml)."""
+        return f"{self.name}-hub-env"
+
+    @property
     def time_slicing_configmap(self) -> str:
         return f"{self.name}-time-slicing"
+
+
+#: The environment variable naming the usage ledger, in the hub and in the accounting service.
+LEDGER_URL_ENV = "GPUPOOL_LEDGER_URL"
 
 
 def team_queue(team: str) -> str:
@@ -296,7 +305,13 @@ def jupyterhub_values(policy: Policy, release: Release) -> dict[str, Any]:
     return {
         "hub": {
             "config": config,
-            "extraEnv": {"GPUPOOL_POLICIES": POLICY_DIR},
+            # The ledger GPUKubeSpawner admits against and records usage in; the chart makes the ConfigMap
+            # from its postgresql values (the password, PGPASSWORD, is the operator's: see the chart's check).
+            "extraEnv": {
+                "GPUPOOL_POLICIES": POLICY_DIR,
+                LEDGER_URL_ENV: {"valueFrom": {"configMapKeyRef": {"name": release.hub_env_configmap,
+                                                                    "key": LEDGER_URL_ENV}}},
+            },
             "extraVolumes": [{"name": POLICY_VOLUME, "configMap": {"name": release.policies_configmap}}],
             "extraVolumeMounts": [{"name": POLICY_VOLUME, "mountPath": POLICY_DIR, "readOnly": True}],
             "services": {

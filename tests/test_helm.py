@@ -34,8 +34,11 @@ Z2JH_MISSING = (
     "https://hub.jupyter.org/helm-chart/, which this network cannot reach"
 )
 RELEASE, NAMESPACE = "pool", "jhub"
-#: What an operator adds to the generated values: the PostgreSQL server and the Secret with its password.
-OPERATOR_VALUES = {"postgresql": {"host": "postgres.db.svc", "existingSecret": "gpupool-postgres"}}
+#: What an operator adds to the generated values: the PostgreSQL server and the Secret with its password,
+#: which the hub gets too (it records usage).
+HUB_PASSWORD = {"valueFrom": {"secretKeyRef": {"name": "gpupool-postgres", "key": "password"}}}
+OPERATOR_VALUES = {"postgresql": {"host": "postgres.db.svc", "existingSecret": "gpupool-postgres"},
+                   "jupyterhub": {"hub": {"extraEnv": {"PGPASSWORD": HUB_PASSWORD}}}}
 
 
 def _checks():
@@ -66,7 +69,7 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def values_for(policies: Path, jupyterhub: bool = bool(Z2JH_ARCHIVES)) -> dict[str, Any]:
     """The values an operator installs with: `gpupool render --helm-values` plus their own file."""
     generated = yaml.safe_load(gpupool("render", "--policies", str(policies), "--release", RELEASE, "--helm-values"))
-    return merge(generated, {**OPERATOR_VALUES, "jupyterhub": {"enabled": jupyterhub}})
+    return merge(merge(generated, OPERATOR_VALUES), {"jupyterhub": {"enabled": jupyterhub}})
 
 
 def objects(manifests: dict[str, str]) -> list[dict[str, Any]]:
@@ -148,8 +151,36 @@ def test_the_jupyterhub_wiring_points_at_what_the_chart_creates():
     assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "gpupool-postgres", "key": "password"}
     assert deployment["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     assert {m["mountPath"] for m in container["volumeMounts"]} == {"/etc/gpupool/policies", "/tmp"}
+    # The hub records usage in the same ledger, with the same password Secret.
+    ledger = hub["extraEnv"]["GPUPOOL_LEDGER_URL"]["valueFrom"]["configMapKeyRef"]
+    assert rendered[("ConfigMap", NAMESPACE, ledger["name"])]["data"][ledger["key"]] == env["GPUPOOL_LEDGER_URL"]["value"]
+    assert hub["extraEnv"]["PGPASSWORD"] == {"valueFrom": env["PGPASSWORD"]["valueFrom"]}
     # Optional parts stay out unless asked for.
     assert not [k for k in rendered if k[0] == "Ingress" or k[2] == "pool-mlflow"]
+
+
+def test_the_hub_may_read_podgroups_and_list_nodes_and_nothing_more():
+    rendered = {key(o): o for o in render(values_for(EXAMPLES_DIR))}
+    role = rendered[("Role", NAMESPACE, "pool-hub-podgroups")]
+    assert role["rules"] == [{"apiGroups": ["scheduling.volcano.sh"], "resources": ["podgroups"],
+                              "verbs": ["get", "list", "watch"]}]
+    binding = rendered[("RoleBinding", NAMESPACE, "pool-hub-podgroups")]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pool-hub-podgroups"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "hub", "namespace": NAMESPACE}]
+    nodes = rendered[("ClusterRole", "", "jhub-pool-hub-nodes")]
+    assert nodes["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": ["list"]}]
+    assert rendered[("ClusterRoleBinding", "", "jhub-pool-hub-nodes")]["subjects"] == binding["subjects"]
+    # Without the node check nothing cluster-wide is granted.
+    without = render(merge(values_for(EXAMPLES_DIR), {"hubAccess": {"listNodes": False}}))
+    assert not [o for o in without if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+
+
+def test_the_hub_without_the_ledger_password_is_refused_with_the_snippet_to_add():
+    values = values_for(EXAMPLES_DIR)
+    del values["jupyterhub"]["hub"]["extraEnv"]["PGPASSWORD"]
+    with pytest.raises(Exception, match=r"jupyterhub.hub.extraEnv.PGPASSWORD: the hub records usage") as refused:
+        render(values)
+    assert "secretKeyRef: {name: gpupool-postgres, key: password}" in str(refused.value)
 
 
 def test_chart_defaults_are_the_python_constants_and_version():

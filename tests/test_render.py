@@ -234,7 +234,11 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
                 },
                 "KubeSpawner": {"automount_service_account_token": False},
             },
-            "extraEnv": {"GPUPOOL_POLICIES": "/etc/gpupool/policies"},
+            "extraEnv": {
+                "GPUPOOL_POLICIES": "/etc/gpupool/policies",
+                "GPUPOOL_LEDGER_URL": {"valueFrom": {"configMapKeyRef": {"name": "gpupool-hub-env",
+                                                                             "key": "GPUPOOL_LEDGER_URL"}}},
+            },
             "extraVolumes": [{"name": "gpupool-policies", "configMap": {"name": "gpupool-policies"}}],
             "extraVolumeMounts": [
                 {"name": "gpupool-policies", "mountPath": "/etc/gpupool/policies", "readOnly": True},

@@ -67,3 +67,13 @@ spawner/volcano.py: policies_digest computes it (map keys in sorted order, "name
 {{- define "gpupool.image" -}}
 {{- printf "%s:%s" .image.name (.image.tag | default .context.Chart.AppVersion) -}}
 {{- end }}
+
+{{/* The hub writes the ledger too: its PostgreSQL password must reach it (z2jh's hub.extraEnv), from the same Secret. */}}
+{{- define "gpupool.hub.passwordCheck" -}}
+{{- $pg := .Values.postgresql -}}
+{{- $env := ((.Values.jupyterhub).hub).extraEnv | default dict -}}
+{{- $ref := (($env.PGPASSWORD | default dict).valueFrom | default dict).secretKeyRef | default dict -}}
+{{- if not (and (eq ($ref.name | toString) ($pg.existingSecret | toString)) (eq ($ref.key | toString) ($pg.passwordKey | toString))) -}}
+{{- fail (printf "jupyterhub.hub.extraEnv.PGPASSWORD: the hub records usage in the ledger and needs the PostgreSQL password from the same Secret as the accounting service; add to your values:\n  jupyterhub:\n    hub:\n      extraEnv:\n        PGPASSWORD:\n          valueFrom:\n            secretKeyRef: {name: %s, key: %s}" $pg.existingSecret $pg.passwordKey) -}}
+{{- end -}}
+{{- end }}
