@@ -15,10 +15,12 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+import weakref
+from fractions import Fraction
+from typing import Any, ClassVar
 
 from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest, Decision
+from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest, Decision, Holdings
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
 from gpupool.hub.accounting.notify import admit_now
 from gpupool.policies.model import Policy, parse_quantity
@@ -121,6 +123,28 @@ def sanitize_pod(pod: V1Pod, binding: VolcanoBinding, own_annotations: Mapping[s
         if container.env:
             container.env = [item for item in container.env if _env_name(item) not in FORBIDDEN_ENV]
     return pod
+
+
+@dataclass(frozen=True)
+class AdmittedSpawn:
+    """A spawn the accounting admitted whose pod does not run yet: it holds its share against the quotas."""
+
+    user: str
+    team: str
+    model: str
+    share: Fraction
+
+
+_admission_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _admission_lock() -> asyncio.Lock:
+    """One lock per event loop (the hub has one): holdings are read and the decision taken under it."""
+    loop = asyncio.get_running_loop()
+    lock = _admission_locks.get(loop)
+    if lock is None:
+        lock = _admission_locks[loop] = asyncio.Lock()
+    return lock
 
 
 def usage_key(user: str, server: str, pod: str, start) -> str:
@@ -239,6 +263,9 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
     gpupool_deprioritized: bool = False
     #: The server's interval in the usage ledger while its pod runs.
     usage_key: str | None = None
+    #: This hub's admitted spawns whose pods do not run yet, by pod name: their shares count against the
+    #: quotas from admission on, so that spawns admitted together cannot exceed a quota between them.
+    admitted_spawns: ClassVar[dict[str, AdmittedSpawn]] = {}
 
     _gpupool_baseline: dict[str, Any] | None = None
     _gpupool_status: str | None = None
@@ -510,18 +537,23 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         quota waits (with the reason on the spawn page) until shares free up or the queue timeout, a
         budget `deprioritize` turns the pod into lowest-priority, preemptable work.
 
-        Holdings are the team's running servers in the ledger; Volcano's queue capability then bounds the
-        pods that wait in the cluster.
+        Holdings are the running servers in the ledger plus this hub's admitted spawns whose pods do not run
+        yet; Volcano's queue capability then bounds the pods that wait in the cluster.
         """
         loop = asyncio.get_running_loop()
         began = loop.time()
         queue_timeout = self.policy.queue_timeout(choice.team)
         ledger = self.ledger
+        gpu = choice.profile.gpu
         while True:
             policy = self.policy
             request = AdmissionRequest(user=self.user.name, team=choice.team, at=periods.utcnow(), profile=choice.slug)
-            holdings = await asyncio.to_thread(ledger.holdings)
-            decision = await asyncio.to_thread(admit_now, policy, ledger, request, holdings, self.log)
+            async with _admission_lock():
+                held = [*await asyncio.to_thread(ledger.open_intervals), *self.admitted_spawns.values()]
+                decision = await asyncio.to_thread(admit_now, policy, ledger, request, Holdings.of(held), self.log)
+                if decision.admitted and gpu is not None:
+                    self.admitted_spawns[self.pod_name] = AdmittedSpawn(
+                        self.user.name, choice.team, gpu.model, profile_share(choice.profile, policy))
             if decision.action == "deny":
                 raise web.HTTPError(403, decision.reason)
             if decision.admitted:
@@ -557,18 +589,19 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         choice = self.gpupool_choice
         self._gpupool_stopping = False
         decision = await self.admit(choice)
-        deprioritized = decision.priority == LOWEST_PRIORITY
-        if deprioritized != self.gpupool_deprioritized:
-            self.gpupool_deprioritized = deprioritized
-            self.apply_choice(choice)  # the PriorityClass and the preemptable annotation follow
-        problem = await self.capacity_problem(choice)
-        if problem:
-            # Not a user error and not temporary: the policy offers a profile this cluster cannot hold.
-            raise web.HTTPError(409, problem)
-        self._gpupool_status = None
-        start = asyncio.ensure_future(super()._start())
-        watch = asyncio.ensure_future(self._watch_queue(choice))
+        start = watch = None
         try:
+            deprioritized = decision.priority == LOWEST_PRIORITY
+            if deprioritized != self.gpupool_deprioritized:
+                self.gpupool_deprioritized = deprioritized
+                self.apply_choice(choice)  # the PriorityClass and the preemptable annotation follow
+            problem = await self.capacity_problem(choice)
+            if problem:
+                # Not a user error and not temporary: the policy offers a profile this cluster cannot hold.
+                raise web.HTTPError(409, problem)
+            self._gpupool_status = None
+            start = asyncio.ensure_future(super()._start())
+            watch = asyncio.ensure_future(self._watch_queue(choice))
             await asyncio.wait({start, watch}, return_when=asyncio.FIRST_COMPLETED)
             if start.done():
                 url = start.result()
@@ -579,8 +612,10 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
             self._open_usage(periods.utcnow())
             return url
         finally:
+            # Running (its interval holds the share now) or failed: no longer an admitted spawn.
+            self.admitted_spawns.pop(self.pod_name, None)
             for task in (start, watch):
-                if not task.done():
+                if task is not None and not task.done():
                     task.cancel()
                     with contextlib.suppress(BaseException):
                         await task

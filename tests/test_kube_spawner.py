@@ -1075,3 +1075,33 @@ async def test_a_full_per_user_quota_waits_without_a_pod_until_shares_free_up(cl
     with pytest.raises(web.HTTPError):
         await asyncio.wait_for(started, 10)
     await asyncio.wait_for(progress, 5)
+
+
+@pytest.mark.asyncio
+async def test_spawns_admitted_together_never_exceed_a_quota_between_them(cluster, tmp_path, ledger):
+    # vision may hold 4 H200 at once (quota per model) and holds 3.75: of two 0.25 spawns, one must wait.
+    ledger.open_interval("carol-server", "carol", "vision", "h200-whole-2", "H200", Fraction(15, 4),
+                         periods.utcnow() - timedelta(minutes=5))
+    hub = HubDB(spawner_config(policy_copy(tmp_path, queue_timeout=30), cluster.url))
+    spawners = [hub.spawner(name, ("vision",)) for name in ("alice", "bob")]
+    spawns = []
+    for spawner in spawners:
+        await spawner._run_apply_user_options({"profile": "h200-quarter"})
+        spawns.append(begin_spawn(hub, spawner))
+    # Whichever was decided second waits, before any pod of its own exists.
+    waiting = await asyncio.wait({asyncio.ensure_future(wait_for_message(events, "quota")) for _s, events, _p in spawns},
+                                 return_when=asyncio.FIRST_COMPLETED)
+    (done,) = waiting[0]
+    assert done.result() == 'Waiting for 0.25 × H200 (HAMi): team "vision" holds 4 of 4 H200 (quota per model)'
+    for task in waiting[1]:
+        task.cancel()
+    first = next(s for s in spawners if s.pod_name in GPUKubeSpawner.admitted_spawns)
+    await cluster.pod_named(first.pod_name)
+    created = [r for r in cluster.requests() if r.method == "POST" and r.url.path.endswith("/pods")]
+    assert len(created) == 1
+    for spawner, (started, _events, progress) in zip(spawners, spawns):
+        await spawner.stop(now=True)
+        with pytest.raises(web.HTTPError):
+            await asyncio.wait_for(started, 10)
+        await asyncio.wait_for(progress, 5)
+    assert GPUKubeSpawner.admitted_spawns == {}
