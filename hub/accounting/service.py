@@ -8,6 +8,7 @@ everything. Another team's data answers 404, so that its existence does not leak
 
 from __future__ import annotations
 
+import asyncio
 import html
 import json
 import logging
@@ -28,6 +29,7 @@ from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import format_hours, reached_alerts
 from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill, unit_price
 from gpupool.hub.accounting.ledger import Ledger
+from gpupool.hub.accounting.servers import HubClient, reconcile_with_hub
 from gpupool.policies import DEFAULT_POLICY_DIR
 from gpupool.spawner.mixin import current_policy
 
@@ -325,6 +327,38 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str) -> web.Application:
     )
 
 
+#: Reconciliation rounds that failed, by step (`hub`: the hub did not answer or the ledger refused a write).
+RECONCILE_ERRORS: dict[str, int] = {"hub": 0, "stale": 0}
+
+
+def reconcile_once(ledger: Ledger, policy_of, hub: HubClient | None, stale: timedelta) -> None:
+    """One round: make the ledger agree with what the hub runs, then close what nobody has seen for `stale`.
+
+    When the hub does not answer, only the second step runs; a server that ran on meanwhile is continued
+    from where its interval was closed as soon as the hub or its spawner reports it again.
+    """
+    if hub is not None:
+        try:
+            done = reconcile_with_hub(ledger, policy_of(), hub)
+            for what in ("opened", "continued", "closed"):
+                runs = getattr(done, what)
+                if runs:
+                    log.warning("reconciliation with the hub %s %d run(s): %s", what, len(runs), ", ".join(runs))
+            for run, why in done.unknown.items():
+                log.error("cannot account for %s: %s", run, why)
+        except Exception:  # keep serving; the next round tries again
+            RECONCILE_ERRORS["hub"] += 1
+            log.exception("reconciliation with the hub failed")
+    try:
+        closed = ledger.reconcile(stale)
+        if closed:
+            log.warning("closed %d interval(s) not seen for %s at their last heartbeat: %s", len(closed),
+                        stale, ", ".join(closed))
+    except Exception:
+        RECONCILE_ERRORS["stale"] += 1
+        log.exception("reconciliation of stale intervals failed")
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(levelname)s %(asctime)s accounting] %(message)s")
     state = Path(os.environ.get("GPUPOOL_STATE_DIR", "state"))
@@ -337,17 +371,16 @@ def main() -> None:
     host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
 
     stale = timedelta(seconds=int(os.environ.get("GPUPOOL_RECONCILE_STALE_SECONDS", "300")))
+    every = float(os.environ.get("GPUPOOL_RECONCILE_SECONDS", "60"))
+    api_url, token = os.environ.get("JUPYTERHUB_API_URL"), os.environ.get("JUPYTERHUB_API_TOKEN")
+    hub = HubClient(api_url, token) if api_url and token else None
+    policy_dir = app.settings["policy_dir"]
 
-    def reconcile():
-        try:
-            closed = ledger.reconcile(stale)
-            if closed:
-                log.warning("closed %d interval(s) not seen for %s at their last heartbeat: %s", len(closed),
-                            stale, ", ".join(closed))
-        except Exception:  # keep serving; the next round tries again
-            log.exception("reconciliation failed")
+    async def reconcile():
+        await asyncio.to_thread(reconcile_once, ledger, lambda: current_policy(policy_dir, log), hub, stale)
 
-    ioloop.PeriodicCallback(reconcile, 60_000).start()
+    ioloop.IOLoop.current().add_callback(reconcile)  # at once: the hub may have run servers while we were down
+    ioloop.PeriodicCallback(reconcile, every * 1000).start()
     app.listen(port, host)
     log.info("gpupool-accounting at %s%s", url, prefix)
     ioloop.IOLoop.current().start()
