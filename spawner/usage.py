@@ -96,8 +96,9 @@ class UsageLedgerMixin(LoggingConfigurable):
         facts = self._usage_facts()
         if self.usage_run is None or facts is None:
             return
-        now = periods.utcnow()
-        self._ledger("heartbeat", self.ledger.keep_run, self.usage_run, *facts, now, now)
+        # Were its interval lost (a failed first write), it would be opened at the hub's start, as the
+        # accounting service's reconciliation does.
+        self._ledger("heartbeat", self.ledger.keep_run, self.usage_run, *facts, self.run_started(), periods.utcnow())
 
     def close_usage(self, how: HowEnded, at_last_seen: bool = False) -> None:
         """The server ended (`how`): now, or when it was last seen alive (it died unseen)."""

@@ -134,6 +134,19 @@ class UsageRow:
 
 
 @dataclass(frozen=True)
+class QueueWaits:
+    """Queue waits of one team's runs: how many were measured, their total and the longest, in seconds."""
+
+    count: int
+    total_s: int
+    longest_s: int
+
+    @property
+    def mean_s(self) -> Fraction:
+        return Fraction(self.total_s, self.count) if self.count else Fraction(0)
+
+
+@dataclass(frozen=True)
 class AdmissionResult:
     """What `Ledger.admit` did: the decision, whether it opened the interval, and which alerts to send now."""
 
@@ -549,10 +562,41 @@ class Ledger:
             per_team[name] = per_team.get(name, Fraction(0)) + hours
         return Usage(period, per_team, {(name, model): hours for (name, model), hours in sums.items()})
 
-    def _sum(self, connection: sa.Connection, period: str, now: datetime, by: tuple[str, ...], *,
+    def gpu_hours_between(self, start: datetime, end: datetime, by: Sequence[str] = ("team",), *,
+                          team: str | None = None, now: datetime | None = None) -> dict[tuple[str, ...], Fraction]:
+        """Like `gpu_hours`, for any span [start, end) instead of a period (a day of a report)."""
+        unknown = [name for name in by if name not in GROUPINGS]
+        if unknown or len(set(by)) != len(by):
+            raise ValueError(f"cannot sum by {list(by)} (accepted: any of {', '.join(GROUPINGS)}, each once)")
+        bounds = (_seconds(start, "start"), _seconds(end, "end"))
+        if bounds[1] < bounds[0]:
+            raise ValueError(f"end {end.isoformat()} is before start {start.isoformat()}")
+        with self.engine.connect() as connection:
+            return self._sum(connection, bounds, now or periods.utcnow(), tuple(by), team=team)
+
+    def queue_waits(self, period: str, *, team: str | None = None) -> dict[str, QueueWaits]:
+        """How long the runs that started in `period` waited in the queue before they were placed, per team."""
+        start, end = (_seconds(t, "period") for t in periods.period_bounds(period))
+        c = INTERVALS.c
+        query = (sa.select(c.team, sa.func.count(), sa.func.sum(c.queue_wait_s), sa.func.max(c.queue_wait_s))
+                 .where(c.queue_wait_s.is_not(None), _as_int(c.start_at) >= start, _as_int(c.start_at) < end)
+                 .group_by(c.team))
+        if team is not None:
+            query = query.where(c.team == team)
+        with self.engine.connect() as connection:
+            return {name: QueueWaits(int(count), int(total), int(longest))
+                    for name, count, total, longest in connection.execute(query)}
+
+    def _sum(self, connection: sa.Connection, period: str | tuple[int, int], now: datetime, by: tuple[str, ...], *,
              team: str | None = None, reserving: bool = False) -> dict[tuple[str, ...], Fraction]:
-        """Σ share × clipped seconds, grouped by `by`, in exact integers per share denominator."""
-        period_start, period_end = (_seconds(t, "period") for t in periods.period_bounds(period))
+        """Σ share × clipped seconds, grouped by `by`, in exact integers per share denominator.
+
+        `period` is a billing period or (start, end) in epoch seconds.
+        """
+        if isinstance(period, str):
+            period_start, period_end = (_seconds(t, "period") for t in periods.period_bounds(period))
+        else:
+            period_start, period_end = period
         now_s = _seconds(now, "now")
         c = INTERVALS.c
         start, end = _as_int(c.start_at), _as_int(c.end_at)
