@@ -335,6 +335,9 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
                                               f"{', '.join(self.allocation_cards)}; starting JupyterLab"}
 
     async def poll(self):
+        if self._stop_pending:
+            # Being stopped: the process ending now is the stop, which closes the usage itself ("stopped").
+            return await super().poll()
         # Checked before JupyterHub's own `kill(pid, 0)`, which a zombie or a reused PID would pass.
         if self.pid and not process_alive(self.pid, self.pid_started):
             self.log.warning("%s (PID %s) is gone; freeing its share", self._log_name, self.pid)
@@ -349,6 +352,7 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         return status
 
     async def stop(self, now=False):
+        self.see_usage()  # seen alive as the stop begins: a slow shutdown is not mistaken for a vanished server
         try:
             await super().stop(now=now)
         finally:

@@ -33,13 +33,13 @@ profiles:
 billing: {prices: {H200: '3.20'}}
 """,
 }
-#: Heartbeats every second (the spawner's poll), reconciliation every second, stale after 3 s.
+#: Heartbeats every second (the spawner's poll), reconciliation every second, stale after 6 s.
 FAST = """
 c.LocalGPUSpawner.run_as = "self"
 c.Spawner.poll_interval = 1
 for service in c.JupyterHub.services:
     if service["name"] == "accounting":
-        service["environment"].update({"GPUPOOL_RECONCILE_SECONDS": "1", "GPUPOOL_RECONCILE_STALE_SECONDS": "3"})
+        service["environment"].update({"GPUPOOL_RECONCILE_SECONDS": "1", "GPUPOOL_RECONCILE_STALE_SECONDS": "6"})
 """
 #: What one heartbeat period and the start of a process can put between the ledger and the wall clock.
 GRANULARITY_S = 4

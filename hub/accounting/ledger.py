@@ -331,6 +331,17 @@ class Ledger:
             .returning(INTERVALS.c.id)
         ).first() is not None
 
+    def heartbeat_run(self, run: str, seen_at: datetime) -> bool:
+        """Note that run `run` was seen at `seen_at` if its interval is open (nothing opens); whether it was."""
+        run, seen_s = _text(run, "run", MAX_RUN_KEY), _seconds(seen_at, "seen_at")
+        c = INTERVALS.c
+        with self._writer.begin() as connection:
+            return connection.execute(
+                INTERVALS.update().where(c.run == run, c.end_at.is_(None))
+                .values(last_seen_at=sa.case((_as_int(c.last_seen_at) < seen_s, seen_s),
+                                             else_=_as_int(c.last_seen_at)))
+            ).rowcount > 0
+
     def close_run(self, run: str, end: datetime | None, how: HowEnded | str) -> CloseResult:
         """Close the open interval of server run `run` at `end` (None: at its last-seen time), and how."""
         run, ended = _text(run, "run", MAX_RUN_KEY), _how(how)

@@ -76,12 +76,16 @@ def reconcile(ledger: Ledger, policy: Policy, servers: list[HubServer], groups: 
 
     A ready server without an open interval is opened at the hub's `started` time (or continued where
     reconciliation closed it); an open interval of a run the hub no longer lists is closed at its last
-    heartbeat. Pending servers are neither opened (their spawner opens them when they run) nor closed.
+    heartbeat. Pending servers are neither opened (their spawner opens them when they run) nor closed,
+    and an open interval of theirs counts as seen.
     `groups` maps each user to their hub groups (for the team of a server whose options name none).
     """
     done = Reconciled()
     for server in servers:
         if not server.ready:
+            # Starting (its spawner opens it once it holds its share) or stopping (it holds it until it
+            # ends): still there, so an open interval of it is seen; nothing is opened for it.
+            ledger.heartbeat_run(server.run, asked_at)
             continue
         try:
             choice = check_choice(policy, server.user, teams_of(policy, server.user, groups.get(server.user, [])),

@@ -20,6 +20,7 @@ from fractions import Fraction
 from pathlib import Path
 from urllib.parse import urlparse
 
+import requests
 from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -491,6 +492,9 @@ def reconcile_once(ledger: Ledger, policy_of, hub: HubClient | None, stale: time
                     log.warning("reconciliation with the hub %s %d run(s): %s", what, len(runs), ", ".join(runs))
             for run, why in done.unknown.items():
                 log.error("cannot account for %s: %s", run, why)
+        except requests.RequestException as error:  # the hub is down or restarting: the next round tries again
+            RECONCILE_ERRORS["hub"] += 1
+            log.warning("reconciliation with the hub skipped: %s", error)
         except Exception:  # keep serving; the next round tries again
             RECONCILE_ERRORS["hub"] += 1
             log.exception("reconciliation with the hub failed")

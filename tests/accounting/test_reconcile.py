@@ -138,8 +138,12 @@ def test_reconcile_opens_what_runs_and_closes_what_is_gone(ledger, policy):
     ledger.keep_run(late, "dave", "vision", "h200-quarter", "H200", Q, asked + timedelta(seconds=3),
                     asked + timedelta(seconds=3))
     ledger.open_interval("job-1", "erin", "vision", "h200-quarter", "H200", Q, t(2026, 11, 3, 7))  # no run
+    stopping = HubServer("frank", "", t(2026, 11, 3, 6), False, {"profile": "h200-quarter", "team": "vision"})
+    ledger.keep_run(stopping.run, "frank", "vision", "h200-quarter", "H200", Q, t(2026, 11, 3, 6), t(2026, 11, 3, 11))
 
-    done = reconcile(ledger, policy, [alice, bob, nadia], GROUPS, asked)
+    done = reconcile(ledger, policy, [alice, bob, nadia, stopping], GROUPS, asked)
+    (still,) = pieces(ledger, stopping.run)
+    assert still.is_open and still.last_seen == asked, "a server being stopped still holds its share"
 
     assert sorted(done.opened) == sorted([alice.run, nadia.run]) and done.closed == [gone]
     (opened,) = pieces(ledger, alice.run)
@@ -148,9 +152,9 @@ def test_reconcile_opens_what_runs_and_closes_what_is_gone(ledger, policy):
     assert pieces(ledger, bob.run) == []
     (closed,) = pieces(ledger, gone)
     assert (closed.end, closed.how) == (t(2026, 11, 3, 11, 30), "reconciled")
-    assert {i.key for i in ledger.open_intervals()} == {alice.run, nadia.run, late, "job-1"}
+    assert {i.key for i in ledger.open_intervals()} == {alice.run, nadia.run, late, "job-1", stopping.run}
     # the same answer again changes nothing
-    again = reconcile(ledger, policy, [alice, bob, nadia], GROUPS, asked)
+    again = reconcile(ledger, policy, [alice, bob, nadia, stopping], GROUPS, asked)
     assert (again.opened, again.continued, again.closed) == ([], [], [])
 
 
