@@ -59,10 +59,10 @@ class UsageLedgerMixin(LoggingConfigurable):
     def ledger(self) -> Ledger:
         return get_ledger(self.ledger_url)
 
-    def _ledger(self, operation: str, call, *args, **kwargs):
-        """A ledger write; a failure is counted and logged, and never takes the user's server down."""
+    def _ledger(self, operation: str, method: str, *args, **kwargs):
+        """`Ledger.<method>(...)`; a failure (reaching the ledger too) is counted and logged, never raised."""
         try:
-            return call(*args, **kwargs)
+            return getattr(self.ledger, method)(*args, **kwargs)
         except Exception:
             LEDGER_WRITE_ERRORS.labels(operation).inc()
             self.log.exception("gpupool ledger %s failed for %s", operation, getattr(self, "_log_name", self))
@@ -89,7 +89,7 @@ class UsageLedgerMixin(LoggingConfigurable):
             return
         self.usage_run = run_key(self.user.name, self.name, self.run_started())
         now = periods.utcnow()
-        self._ledger("open", self.ledger.keep_run, self.usage_run, *facts, now, now, queue_wait=queue_wait)
+        self._ledger("open", "keep_run", self.usage_run, *facts, now, now, queue_wait=queue_wait)
 
     def see_usage(self) -> None:
         """The server is running now: a heartbeat, or a continuation when reconciliation closed it meanwhile."""
@@ -98,14 +98,14 @@ class UsageLedgerMixin(LoggingConfigurable):
             return
         # Were its interval lost (a failed first write), it would be opened at the hub's start, as the
         # accounting service's reconciliation does.
-        self._ledger("heartbeat", self.ledger.keep_run, self.usage_run, *facts, self.run_started(), periods.utcnow())
+        self._ledger("heartbeat", "keep_run", self.usage_run, *facts, self.run_started(), periods.utcnow())
 
     def close_usage(self, how: HowEnded, at_last_seen: bool = False) -> None:
         """The server ended (`how`): now, or when it was last seen alive (it died unseen)."""
         if self.usage_run is None:
             return
         end = None if at_last_seen else periods.utcnow()
-        self._ledger("close", self.ledger.close_run, self.usage_run, end, how)
+        self._ledger("close", "close_run", self.usage_run, end, how)
         self.usage_run = None
 
     def get_state(self):
