@@ -102,6 +102,12 @@ class Hub:
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(30)
 
+    def kill(self) -> None:
+        """SIGKILL the hub process (a crash): its services, proxy and servers are left as they are."""
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(30)
+
     def api(self, method: str, path: str, **kw) -> requests.Response:
         return self.session.request(method, f"{self.url}/hub/api{path}", timeout=30, **kw)
 

@@ -12,8 +12,9 @@ from gpupool.policies.model import Policy
 
 ACCOUNTING_SERVICE = "accounting"
 ACCOUNTING_ROLE = "gpupool-accounting"
-#: The scopes of the accounting service's role: reading groups (team membership), nothing else.
-ACCOUNTING_SCOPES = ("list:groups", "read:groups")
+#: The scopes of the accounting service's role: team membership (groups) and, for reconciliation, which
+#: servers run with which options (`read:servers` shows `started` and `user_options`, never their state).
+ACCOUNTING_SCOPES = ("list:groups", "read:groups", "list:users", "read:servers")
 
 
 def team_groups(policy: Policy) -> dict[str, dict[str, Any]]:
@@ -28,7 +29,7 @@ def accounting_roles() -> dict[str, dict[str, Any]]:
     """The service gets exactly its scopes; every user may open its pages (the service decides what they see)."""
     return {
         ACCOUNTING_ROLE: {
-            "description": "gpupool-accounting reads team membership",
+            "description": "gpupool-accounting reads team membership and which servers run",
             "scopes": list(ACCOUNTING_SCOPES),
             "services": [ACCOUNTING_SERVICE],
         },

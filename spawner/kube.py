@@ -12,20 +12,19 @@ import asyncio
 import contextlib
 import copy
 import json
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 import weakref
+from datetime import timedelta
 from fractions import Fraction
 from typing import Any, ClassVar
 
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest, Decision, Holdings
-from gpupool.hub.accounting.ledger import HowEnded, Ledger
+from gpupool.hub.accounting.ledger import HowEnded
 from gpupool.hub.accounting.notify import admit_now
 from gpupool.policies.model import Policy, parse_quantity
 from gpupool.spawner import podgroups
-from gpupool.spawner.local import LEDGER_WRITE_ERRORS, get_ledger
 from gpupool.spawner.mixin import Choice, GPUPoolSpawnerMixin
 from gpupool.spawner.resources import GPUResources, profile_gpu, profile_share
 from gpupool.spawner.volcano import (
@@ -147,11 +146,6 @@ def _admission_lock() -> asyncio.Lock:
     return lock
 
 
-def usage_key(user: str, server: str, pod: str, start) -> str:
-    """The ledger key of one run of a server's pod: the same run always has the same key."""
-    return f"{user}/{server}@{pod}/{start.isoformat()}"
-
-
 def gpupool_profile_list(spawner: GPUKubeSpawner) -> list[dict]:
     """The policy's profiles for the user's teams in KubeSpawner's `profile_list` format, for its form.
 
@@ -244,30 +238,15 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         """,
     ).tag(config=True)
 
-    ledger_url = Unicode(
-        help="""
-        SQLAlchemy URL of the usage ledger the accounting service reads (PostgreSQL in a cluster). Every spawn
-        is admitted against it (quotas, budgets) and its usage recorded in it from the moment the pod runs.
-        Default: the `GPUPOOL_LEDGER_URL` environment variable, which the Helm chart sets.
-
-            c.GPUKubeSpawner.ledger_url = "postgresql+psycopg://gpupool@postgres/gpupool"
-        """,
-    ).tag(config=True)
-
-    @default("ledger_url")
-    def _default_ledger_url(self):
-        return os.environ.get("GPUPOOL_LEDGER_URL", "")
-
     #: Set by the accounting's admission before the pod is made when the team's budget is exhausted and its
     #: `on_exhausted` is `deprioritize`: the pod then runs as lowest-priority, preemptable work.
     gpupool_deprioritized: bool = False
-    #: The server's interval in the usage ledger while its pod runs.
-    usage_key: str | None = None
     #: This hub's admitted spawns whose pods do not run yet, by pod name: their shares count against the
     #: quotas from admission on, so that spawns admitted together cannot exceed a quota between them.
     admitted_spawns: ClassVar[dict[str, AdmittedSpawn]] = {}
 
     _gpupool_baseline: dict[str, Any] | None = None
+    _gpupool_admitted_at = None  # when Volcano's queue admitted the pod (UTC): its queue wait ends there
     _gpupool_status: str | None = None
     _gpupool_stopping = False
 
@@ -494,6 +473,7 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
             if podgroups.admitted(pod, group):
                 if admitted_at is None:
                     admitted_at = now
+                    self._gpupool_admitted_at = periods.utcnow()
                     self._gpupool_status = f'{wanted.display_name}: admitted by queue "{wanted.queue}", starting'
                 elif now - admitted_at > start_timeout and not self.is_pod_running(pod):
                     # (a running, ready pod has started: KubeSpawner notices at its next look)
@@ -516,22 +496,6 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
 
     # --- accounting: admission before the pod, usage while it runs ------------------------------------
 
-    @property
-    def ledger(self) -> Ledger:
-        if not self.ledger_url:
-            raise web.HTTPError(503, "gpupool accounting is not configured: set GPUKubeSpawner.ledger_url "
-                                     "(or GPUPOOL_LEDGER_URL in the hub's environment; the Helm chart does)")
-        return get_ledger(self.ledger_url)
-
-    def _ledger(self, operation: str, call, *args):
-        """A ledger write; a failure is counted and logged, and never takes the user's server down."""
-        try:
-            return call(*args)
-        except Exception:  # noqa: BLE001
-            LEDGER_WRITE_ERRORS.labels(operation).inc()
-            self.log.exception("gpupool ledger %s failed for %s", operation, self._log_name)
-            return None
-
     async def admit(self, choice: Choice) -> Decision:
         """The accounting's decision, as in the embedded mode: a budget `deny` refuses with 403, a full
         quota waits (with the reason on the spawn page) until shares free up or the queue timeout, a
@@ -540,6 +504,9 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         Holdings are the running servers in the ledger plus this hub's admitted spawns whose pods do not run
         yet; Volcano's queue capability then bounds the pods that wait in the cluster.
         """
+        if not self.ledger_url:
+            raise web.HTTPError(503, "gpupool accounting is not configured: set GPUKubeSpawner.ledger_url "
+                                     "(or GPUPOOL_LEDGER_URL in the hub's environment; the Helm chart does)")
         loop = asyncio.get_running_loop()
         began = loop.time()
         queue_timeout = self.policy.queue_timeout(choice.team)
@@ -566,28 +533,12 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
                                          f"({decision.reason}); try again later or pick a smaller profile")
             await asyncio.sleep(self.queue_poll_interval)
 
-    def _open_usage(self, start) -> None:
-        choice = self.gpupool_choice
-        if choice.profile.gpu is None:
-            return
-        self.usage_key = usage_key(self.user.name, self.name, self.pod_name, start)
-        self._ledger("open", self.ledger.open_interval, self.usage_key, self.user.name, choice.team, choice.slug,
-                     choice.profile.gpu.model, profile_share(choice.profile, self.policy), start)
-
-    def _close_usage(self, how: HowEnded) -> None:
-        if self.usage_key:
-            end = periods.utcnow()
-            if how is HowEnded.FAILED:
-                interval = self._ledger("read", self.ledger.interval, self.usage_key)
-                if interval is not None:
-                    end = interval.last_seen  # it ended unseen: count it until it was last seen running
-            self._ledger("close", self.ledger.close_interval, self.usage_key, end, how)
-            self.usage_key = None
-
     async def _start(self):
         await self.load_user_options()  # an invalid choice is refused here, before any API call
         choice = self.gpupool_choice
         self._gpupool_stopping = False
+        self._gpupool_admitted_at = None
+        asked = periods.utcnow()
         decision = await self.admit(choice)
         start = watch = None
         try:
@@ -608,8 +559,8 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
             else:
                 watch.result()  # raises why the wait ended
                 url = await start
-            # Usage counts from the moment the pod runs, not while it waited in Volcano's queue.
-            self._open_usage(periods.utcnow())
+            # Usage counts from the moment the pod runs, not while it waited for quota or in Volcano's queue.
+            self.open_usage(max(timedelta(0), (self._gpupool_admitted_at or periods.utcnow()) - asked))
             return url
         finally:
             # Running (its interval holds the share now) or failed: no longer an admitted spawn.
@@ -622,22 +573,19 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
 
     async def stop(self, now=False):
         self._gpupool_stopping = True  # a spawn still waiting in the queue ends with a clear message
+        self.see_usage()  # seen running as the stop begins: a slow deletion is not mistaken for a lost pod
         try:
             await super().stop(now=now)
         finally:
-            self._close_usage(HowEnded.STOPPED)
+            self.close_usage(HowEnded.STOPPED)
 
     async def poll(self):
         status = await super().poll()
-        if status is not None and self.usage_key and not self._spawn_pending:
-            self._close_usage(HowEnded.FAILED)  # the pod is gone: JupyterHub will not call stop()
-        elif status is None and self.usage_key:
-            now = periods.utcnow()
-            if self._ledger("heartbeat", self.ledger.heartbeat, self.usage_key, now) is False:
-                # Closed by reconciliation while the hub was away although the pod ran on: continue from
-                # where that interval ended, so that no GPU-second is lost or counted twice.
-                old = self._ledger("read", self.ledger.interval, self.usage_key)
-                self._open_usage(old.end if old is not None and old.end is not None else now)
+        if status is None:
+            self.see_usage()
+        elif self.usage_run and not self._spawn_pending and not self._stop_pending:
+            # The pod is gone (JupyterHub will not call stop()): it counts until it was last seen running.
+            self.close_usage(HowEnded.FAILED, at_last_seen=True)
         return status
 
     async def progress(self):
@@ -682,8 +630,6 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         if self.gpupool_choice:
             state["choice"] = {"profile": self.gpupool_choice.slug, "team": self.gpupool_choice.team,
                                "image": self.gpupool_choice.image}
-        if self.usage_key:
-            state["usage_key"] = self.usage_key
         if self.gpupool_deprioritized:
             state["deprioritized"] = True
         return state
@@ -696,7 +642,6 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
 
     def load_state(self, state):
         super().load_state(state)
-        self.usage_key = state.get("usage_key")
         self.gpupool_deprioritized = bool(state.get("deprioritized"))
         choice = state.get("choice")
         if choice and choice["profile"] in self.policy.profiles:

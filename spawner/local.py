@@ -13,12 +13,11 @@ import pwd
 import shutil
 import subprocess
 import sys
-import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner
-from prometheus_client import Counter
 from tornado import web
 from traitlets import Unicode, default
 
@@ -35,17 +34,6 @@ from gpupool.spawner.pool import (
 from gpupool.spawner.resources import profile_share
 
 _pools: dict[str, LocalPool] = {}
-_ledgers: dict[str, Ledger] = {}
-
-LEDGER_WRITE_ERRORS = Counter("gpupool_ledger_write_errors", "Usage ledger writes that failed", ["operation"])
-
-
-def get_ledger(url: str) -> Ledger:
-    """The usage ledger at `url`, one per process."""
-    ledger = _ledgers.get(url)
-    if ledger is None:
-        ledger = _ledgers[url] = Ledger(url)
-    return ledger
 
 
 def admission(policy_of: Callable[[], Policy], ledger: Ledger, log) -> Decide:
@@ -180,14 +168,6 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             return "self"
         return "user"
 
-    ledger_url = Unicode(
-        help="""
-        The usage ledger's database: SQLite in the state folder by default, PostgreSQL in production.
-
-            c.LocalGPUSpawner.ledger_url = "postgresql+psycopg://gpupool@db.example.org/gpupool"
-        """,
-    ).tag(config=True)
-
     @default("ledger_url")
     def _default_ledger_url(self):
         return os.environ.get("GPUPOOL_LEDGER_URL") or f"sqlite:///{Path(self.state_dir) / 'ledger.sqlite'}"
@@ -211,15 +191,9 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     def pool_key(self) -> str:
         return f"{self.user.name}/{self.name}"
 
-    usage_key: str | None = None  # the ledger interval of the running server
-
     @property
     def pool(self) -> LocalPool:
         return get_pool(self.state_dir, lambda: self.policy, self.ledger, self.log)
-
-    @property
-    def ledger(self) -> Ledger:
-        return get_ledger(self.ledger_url)
 
     # --- traits from the choice -----------------------------------------------------------------------
 
@@ -300,10 +274,12 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
                 share=profile_share(choice.profile, self.policy),
                 priority=self.policy.teams[choice.team].priority,
             )
+            queued = periods.utcnow()
             try:
                 allocation = await self.pool.acquire(request, timeout=self.policy.queue_timeout(choice.team))
             except (QueueTimeout, Denied) as error:
                 raise web.HTTPError(503 if isinstance(error, QueueTimeout) else 403, str(error)) from None
+            queue_wait = max(timedelta(0), periods.utcnow() - queued)
             self.allocation_key, self.allocation_cards = allocation.key, allocation.cards
             if self.policy.settings.mps == "auto" and self.pool.devices_are_real:
                 ensure_mps_daemon(self.state_dir, self.log)
@@ -315,23 +291,8 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         self.pid_started = process_start_time(self.pid)
         if self.allocation_key:
             self.pool.store.mark_running(self.allocation_key, self.pid)
-            self._open_usage(periods.utcnow())
+            self.open_usage(queue_wait)
         return ip_port
-
-    def _ledger(self, operation: str, call, *args):
-        """A ledger write; a failure is counted and logged, and never takes the user's server down."""
-        try:
-            return call(*args)
-        except Exception:
-            LEDGER_WRITE_ERRORS.labels(operation).inc()
-            self.log.exception("gpupool ledger %s failed for %s", operation, self._log_name)
-            return None
-
-    def _open_usage(self, start) -> None:
-        choice = self.gpupool_choice
-        self.usage_key = f"{self.pool_key}@{uuid.uuid4().hex}"
-        self._ledger("open", self.ledger.open_interval, self.usage_key, self.user.name, choice.team, choice.slug,
-                     choice.profile.gpu.model, profile_share(choice.profile, self.policy), start)
 
     async def progress(self):
         yield {"progress": 5, "message": "Checking the profile against your teams' quotas and the pool"}
@@ -350,6 +311,9 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
                                               f"{', '.join(self.allocation_cards)}; starting JupyterLab"}
 
     async def poll(self):
+        if self._stop_pending:
+            # Being stopped: the process ending now is the stop, which closes the usage itself ("stopped").
+            return await super().poll()
         # Checked before JupyterHub's own `kill(pid, 0)`, which a zombie or a reused PID would pass.
         if self.pid and not process_alive(self.pid, self.pid_started):
             self.log.warning("%s (PID %s) is gone; freeing its share", self._log_name, self.pid)
@@ -359,16 +323,12 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         status = await super().poll()
         if status is not None and self.allocation_key and not self._spawn_pending:
             self._free(HowEnded.FAILED)
-        elif status is None and self.usage_key:
-            now = periods.utcnow()
-            if self._ledger("heartbeat", self.ledger.heartbeat, self.usage_key, now) is False:
-                # Closed by reconciliation while nobody reported (the hub was down) although the server ran
-                # on: continue from where that interval ended, so that no GPU-second is lost or counted twice.
-                old = self.ledger.interval(self.usage_key)
-                self._open_usage(old.end if old is not None and old.end is not None else now)
+        elif status is None:
+            self.see_usage()
         return status
 
     async def stop(self, now=False):
+        self.see_usage()  # seen alive as the stop begins: a slow shutdown is not mistaken for a vanished server
         try:
             await super().stop(now=now)
         finally:
@@ -376,13 +336,8 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     def _free(self, how: HowEnded = HowEnded.FAILED) -> None:
         """Give the share back and close the server's usage interval (both idempotent)."""
-        if self.usage_key:
-            end = periods.utcnow()
-            interval = self.ledger.interval(self.usage_key)
-            if how is HowEnded.FAILED and interval is not None:
-                end = interval.last_seen  # it died unseen: count it until it was last seen alive
-            self._ledger("close", self.ledger.close_interval, self.usage_key, end, how)
-            self.usage_key = None
+        # A server that died unseen counts until it was last seen alive.
+        self.close_usage(how, at_last_seen=how is HowEnded.FAILED)
         self.pool.release(self.pool_key)
         self.allocation_key, self.allocation_cards = None, ()
 
@@ -394,8 +349,6 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             state["pid_started"] = self.pid_started
         if self.allocation_key:
             state["allocation"] = {"key": self.allocation_key, "cards": list(self.allocation_cards)}
-        if self.usage_key:
-            state["usage_key"] = self.usage_key
         if self.gpupool_choice:
             state["choice"] = {"profile": self.gpupool_choice.slug, "team": self.gpupool_choice.team,
                                "image": self.gpupool_choice.image}
@@ -404,7 +357,6 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     def load_state(self, state):
         super().load_state(state)
         self.pid_started = state.get("pid_started")
-        self.usage_key = state.get("usage_key")
         allocation = state.get("allocation")
         if allocation:
             self.allocation_key, self.allocation_cards = allocation["key"], tuple(allocation["cards"])

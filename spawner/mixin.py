@@ -21,6 +21,7 @@ from gpupool.policies import DEFAULT_POLICY_DIR, Policy, PolicyError, load_polic
 from gpupool.policies.loader import policy_file_paths
 from gpupool.policies.model import Profile
 from gpupool.spawner.resources import profile_share
+from gpupool.spawner.usage import UsageLedgerMixin
 
 #: Keys a user may send in `user_options`.
 USER_OPTION_KEYS = ("profile", "image", "team")
@@ -48,6 +49,12 @@ def current_policy(directory: str | Path, log=None) -> Policy:
     return policy
 
 
+def teams_of(policy: Policy, user: str, groups) -> list[str]:
+    """`user`'s teams in policy order: hub `groups` that are policy teams, plus the policy's member lists."""
+    groups = set(groups)
+    return [name for name, team in policy.teams.items() if name in groups or user in team.members]
+
+
 @dataclass(frozen=True)
 class Choice:
     """A checked choice: the profile (a private copy), the team it is charged to, the image."""
@@ -58,8 +65,8 @@ class Choice:
     image: str | None
 
 
-class GPUPoolSpawnerMixin(LoggingConfigurable):
-    """Profiles from policies, filtered by the user's teams and checked on the server.
+class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
+    """Profiles from policies, filtered by the user's teams and checked on the server; usage in the ledger.
 
     A `LoggingConfigurable` so that its traits take part in the spawner's configuration.
     """
@@ -87,8 +94,7 @@ class GPUPoolSpawnerMixin(LoggingConfigurable):
 
     def user_teams(self) -> list[str]:
         """The user's teams, in policy order: hub groups that are policy teams, plus policy member lists."""
-        groups = {g.name for g in getattr(self.user, "groups", [])}
-        return [name for name, team in self.policy.teams.items() if name in groups or self.user.name in team.members]
+        return teams_of(self.policy, self.user.name, [g.name for g in getattr(self.user, "groups", [])])
 
     def available_profiles(self) -> dict[str, Profile]:
         return self.policy.profiles_for_teams(set(self.user_teams()))
@@ -148,49 +154,64 @@ class GPUPoolSpawnerMixin(LoggingConfigurable):
 
     @staticmethod
     def _apply_choice(spawner, user_options) -> None:
-        spawner.gpupool_choice = spawner.check_user_options(user_options or {})
-        spawner.apply_choice(spawner.gpupool_choice)
+        choice = spawner.gpupool_choice = spawner.check_user_options(user_options or {})
+        # The choice as checked, defaults filled in, is what the hub keeps and shows (`read:servers`): the
+        # accounting service reads a server's team and profile there, and a restart spawns the same again.
+        resolved = {"profile": choice.slug, "team": choice.team, **({"image": choice.image} if choice.image else {})}
+        spawner.user_options = resolved
+        orm_spawner = getattr(spawner, "orm_spawner", None)
+        if orm_spawner is not None:
+            orm_spawner.user_options = resolved  # committed with the spawner's state after start
+        spawner.apply_choice(choice)
 
     def check_user_options(self, options: dict) -> Choice:
         """A `Choice` from untrusted `options`, or an HTTP 400/403 naming what is wrong and what is accepted."""
-        if not isinstance(options, dict):
-            raise web.HTTPError(400, "user_options must be an object with keys: " + ", ".join(USER_OPTION_KEYS))
-        unknown = sorted(set(options) - set(USER_OPTION_KEYS))
-        if unknown:
-            raise web.HTTPError(
-                400, f"Unknown user option(s): {', '.join(unknown)}. Accepted keys: {', '.join(USER_OPTION_KEYS)}"
-            )
-        teams = self.user_teams()
-        if not teams:
-            raise web.HTTPError(
-                403, f"{self.user.name} is in no team, so no profile can be started; an administrator adds "
-                     "people with `gpupool team add-member TEAM USER`"
-            )
-        profiles = self.available_profiles()
-        slug = options.get("profile")
-        if slug is None:
-            slug = next((s for s, p in profiles.items() if p.default), next(iter(profiles)))
-        if not isinstance(slug, str) or slug not in profiles:
-            raise web.HTTPError(
-                400, f"No such profile: {slug!r}. Options include: {', '.join(profiles)}"
-            )
-        profile = copy.deepcopy(profiles[slug])
-        team = options.get("team")
-        allowed = [t for t in teams if t in profile.teams]
-        if team is None:
-            team = allowed[0]
-        elif not isinstance(team, str) or team not in allowed:
-            raise web.HTTPError(
-                400, f"Team {team!r} cannot be charged for {slug}. Options include: {', '.join(allowed)}"
-            )
-        image = options.get("image")
-        if image is not None and (not isinstance(image, str) or image not in profile.images):
-            raise web.HTTPError(
-                400, f"No such image for {slug}: {image!r}. Options include: {', '.join(profile.images) or 'none'}"
-            )
-        if image is None and profile.images:
-            image = next((i for i, img in profile.images.items() if img.default), next(iter(profile.images)))
-        return Choice(slug, profile, team, image)
+        return check_choice(self.policy, self.user.name, self.user_teams(), options)
 
     def apply_choice(self, choice: Choice) -> None:
         """Set the spawner's traits from a checked choice (subclasses add what their backend needs)."""
+
+
+def check_choice(policy: Policy, user: str, teams: list[str], options) -> Choice:
+    """A `Choice` from untrusted `options` of `user` in `teams`, or an HTTP 400/403 naming what is accepted.
+
+    The one check of a server's options: the spawners run it before a start, the accounting service on
+    the options the hub shows for a server it did not see start.
+    """
+    if not isinstance(options, dict):
+        raise web.HTTPError(400, "user_options must be an object with keys: " + ", ".join(USER_OPTION_KEYS))
+    unknown = sorted(set(options) - set(USER_OPTION_KEYS))
+    if unknown:
+        raise web.HTTPError(
+            400, f"Unknown user option(s): {', '.join(unknown)}. Accepted keys: {', '.join(USER_OPTION_KEYS)}"
+        )
+    if not teams:
+        raise web.HTTPError(
+            403, f"{user} is in no team, so no profile can be started; an administrator adds "
+                 "people with `gpupool team add-member TEAM USER`"
+        )
+    profiles = policy.profiles_for_teams(set(teams))
+    slug = options.get("profile")
+    if slug is None:
+        slug = next((s for s, p in profiles.items() if p.default), next(iter(profiles)))
+    if not isinstance(slug, str) or slug not in profiles:
+        raise web.HTTPError(
+            400, f"No such profile: {slug!r}. Options include: {', '.join(profiles)}"
+        )
+    profile = copy.deepcopy(profiles[slug])
+    team = options.get("team")
+    allowed = [t for t in teams if t in profile.teams]
+    if team is None:
+        team = allowed[0]
+    elif not isinstance(team, str) or team not in allowed:
+        raise web.HTTPError(
+            400, f"Team {team!r} cannot be charged for {slug}. Options include: {', '.join(allowed)}"
+        )
+    image = options.get("image")
+    if image is not None and (not isinstance(image, str) or image not in profile.images):
+        raise web.HTTPError(
+            400, f"No such image for {slug}: {image!r}. Options include: {', '.join(profile.images) or 'none'}"
+        )
+    if image is None and profile.images:
+        image = next((i for i, img in profile.images.items() if img.default), next(iter(profile.images)))
+    return Choice(slug, profile, team, image)

@@ -50,6 +50,10 @@ def hub(request, tmp_path_factory):
     ledger.open_interval("lena-1", "lena", "vision", "h200-quarter", "H200", Fraction(1, 4), start)
     ledger.close_interval("lena-1", start + timedelta(seconds=3600), "stopped")  # 0.25 GPU-h
     ledger.open_interval("nadia-1", "nadia", "nlp", "h200-quarter", "H200", Fraction(1, 4), start)
+    # A run of lena's that queued 30 s and ended at once: a queue wait on record, no GPU-hours.
+    ledger.keep_run("lena/@seeded", "lena", "vision", "h200-quarter", "H200", Fraction(1, 4), start, start,
+                    queue_wait=timedelta(seconds=30))
+    ledger.close_run("lena/@seeded", start, "stopped")
     ledger.dispose()
     yield hub
     hub.stop()
@@ -88,17 +92,30 @@ def test_a_lead_sees_the_members_and_the_bill(hub):
     assert csv.headers["Content-Type"].startswith("text/csv") and "alice" in csv.text
 
 
-@pytest.mark.parametrize("path", ["api/teams/nlp", "api/teams/nlp/bill", "api/teams/vision/bill",
-                                  "api/teams/robotics"])
+#: Every route that names a team, as a member of vision (not its lead) asks for it.
+TEAM_ROUTES = ["api/teams/{}", "api/teams/{}/bill", "api/teams/{}/report", "teams/{}"]
+
+
+@pytest.mark.parametrize("path", [r.format(t) for r in TEAM_ROUTES for t in ("nlp", "robotics")]
+                         + ["api/teams/vision/bill", "api/teams/vision/report", "teams/vision"])
 def test_other_teams_data_is_not_found(hub, path):
     reply = get(hub, "alice", path)
     assert reply.status_code == 404
     assert "nadia" not in reply.text
 
 
-@pytest.mark.parametrize("path", ["api/teams", "metrics"])
-def test_admin_routes_are_forbidden_to_members(hub, path):
-    assert get(hub, "nadia", path).status_code == 403
+@pytest.mark.parametrize("path", ["api/teams/nlp", "api/teams/nlp/bill", "api/teams/nlp/report", "teams/nlp"])
+def test_a_lead_sees_nothing_of_other_teams(hub, path):
+    reply = get(hub, "lena", path)
+    assert reply.status_code == 404 and "nadia" not in reply.text
+    # the same answer as for a team that does not exist: nothing leaks
+    assert reply.json()["message"].replace("nlp", "X") == get(hub, "lena", path.replace("nlp", "X")).json()["message"]
+
+
+@pytest.mark.parametrize("user", ["nadia", "lena"])
+@pytest.mark.parametrize("path", ["api/teams", "metrics", "api/admin/report", "admin"])
+def test_admin_routes_are_forbidden_to_members_and_leads(hub, path, user):
+    assert get(hub, user, path).status_code == 403
 
 
 def test_admin_sees_all_teams_utilisation_and_metrics(hub):
@@ -112,8 +129,55 @@ def test_admin_sees_all_teams_utilisation_and_metrics(hub):
     assert 'gpupool_budget_used_ratio{team="vision"} 0.0075' in metrics
 
 
+def test_a_lead_sees_the_team_report_and_page(hub):
+    report = get(hub, "lena", "api/teams/vision/report")
+    assert report.status_code == 200, report.text
+    body = report.json()
+    assert body["users"] == {"alice": "0.5", "lena": "0.25"}
+    assert body["top_consumers"] == [{"team": "vision", "user": "alice", "gpu_hours": "0.5"},
+                                     {"team": "vision", "user": "lena", "gpu_hours": "0.25"}]
+    assert body["queue_waits"] == {"runs": 1, "mean_seconds": "30.0", "longest_seconds": 30}
+    assert sum(Fraction(d["gpu_hours"]) for d in body["daily"]) == Fraction(3, 4)
+    page = get(hub, "lena", "teams/vision")
+    assert page.status_code == 200 and page.headers["Content-Type"].startswith("text/html")
+    assert page.text.count("<svg") == 3 and "Members of vision" in page.text and "<script" not in page.text
+    assert "1 run(s) waited, 30.0 s on average" in page.text
+
+
+def test_admin_report_utilisation_per_model_per_day(hub):
+    report = get(hub, "admin", "api/admin/report", params={"top": "2"})
+    assert report.status_code == 200, report.text
+    body = report.json()
+    assert body["capacity_cards"] == {"H200": 2}
+    days = body["utilisation_daily"]["H200"]
+    assert days[-1]["day"] == utcnow().date().isoformat()
+    allocated = sum(Fraction(d["allocated_gpu_hours"]) for d in days)
+    assert allocated == Fraction(body["utilisation"]["H200"]["allocated_gpu_hours"])  # days add up to the period
+    for day in days:
+        assert Fraction(day["allocated_gpu_hours"]) <= Fraction(day["capacity_gpu_hours"])
+    assert [c["user"] for c in body["top_consumers"]] == ["nadia", "alice"]  # nadia's interval still runs
+    assert body["queue_waits"] == {"vision": {"runs": 1, "mean_seconds": "30.0", "longest_seconds": 30}}
+    page = get(hub, "admin", "admin")
+    assert page.status_code == 200 and page.text.count("<svg") == 4 and "H200 utilisation per day" in page.text
+    assert "http" not in page.text.replace('xmlns="http://www.w3.org/2000/svg"', ""), "nothing fetched from outside"
+
+
+def test_hub_metrics_has_the_queue_and_ledger_error_metrics(hub):
+    metrics = requests.get(f"{hub.url}/hub/metrics", headers={"Authorization": f"token {token_of(hub, 'admin')}"},
+                           timeout=30).text
+    for name in ("gpupool_queue_length", "gpupool_queue_wait_seconds", "gpupool_ledger_write_errors"):
+        assert f"# TYPE {name}" in metrics, name
+    service = get(hub, "admin", "metrics").text
+    assert 'gpupool_queue_waited_runs{team="vision"} 1.0' in service
+    assert 'gpupool_reconcile_errors_total{step="hub"} 0.0' in service, "the service reconciles with the hub"
+
+
 def test_bad_input_gets_4xx(hub):
     assert get(hub, "alice", "api/me", params={"period": "2026-13"}).status_code == 400
+    for top in ("0", "101", "ten", "-1"):
+        reply = get(hub, "admin", "api/admin/report", params={"top": top})
+        assert reply.status_code == 400 and "top must be a whole number from 1 to 100" in reply.json()["message"]
+    assert get(hub, "lena", "api/teams/vision/report", params={"period": "26-11"}).status_code == 400
     assert get(hub, "lena", "api/teams/vision/bill", params={"format": "pdf"}).status_code == 400
     big = requests.request("GET", f"{hub.url}/services/accounting/api/me", data=b"x" * 200_000, timeout=30,
                            headers={"Authorization": f"token {token_of(hub, 'alice')}"})
@@ -143,7 +207,8 @@ def test_page_shows_budget_alerts(hub):
 
 def test_openapi_description(hub):
     spec = requests.get(f"{hub.url}/services/accounting/openapi.json", timeout=30).json()
-    assert {"/api/me", "/api/teams/{team}/bill", "/metrics"} <= set(spec["paths"])
+    assert {"/api/me", "/api/teams/{team}/bill", "/api/teams/{team}/report", "/api/admin/report", "/admin",
+            "/teams/{team}", "/metrics"} <= set(spec["paths"])
 
 
 def test_period_is_current_month(hub):

@@ -24,11 +24,11 @@ import pytest
 import pytest_asyncio
 import yaml
 from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.ledger import HowEnded, Ledger
+from gpupool.hub.accounting.ledger import HowEnded, Ledger, run_key
 from gpupool.policies import load_policy
 from gpupool.spawner import podgroups
 from gpupool.spawner.kube import GPUKubeSpawner, policy_priorities, volcano_binding
-from gpupool.spawner.local import get_ledger
+from gpupool.spawner.usage import get_ledger
 from jupyterhub import orm
 from jupyterhub.objects import Hub, Server
 from jupyterhub.user import User
@@ -784,6 +784,7 @@ def begin_spawn(hub: HubDB, spawner: GPUKubeSpawner) -> tuple[asyncio.Future, li
     hub.db.add(orm_server)
     hub.db.commit()
     spawner.server = Server(orm_server=orm_server)
+    spawner.orm_spawner.started = datetime.now(UTC).replace(tzinfo=None)  # User.spawn, before start()
     spawner._spawn_pending = spawner._start_pending = True  # the spawn handler's and User.spawn's flags
     started = asyncio.ensure_future(asyncio.wait_for(spawner.start(), timeout=spawner.start_timeout))
     events: list = []
@@ -809,6 +810,7 @@ async def test_spawn_waits_in_queue_with_position_then_runs_stops_and_survives_r
     assert spawner.start_timeout == 2 + 30 + 5  # start timeout + vision's queue timeout + creation margin
     clock = asyncio.get_running_loop().time
     began = clock()
+    began_utc = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=3)
     started, events, progress = begin_spawn(hub, spawner)
 
     # Volcano's part: wrap the new pod in its PodGroup, behind an older one of the same queue.
@@ -851,8 +853,11 @@ async def test_spawn_waits_in_queue_with_position_then_runs_stops_and_survives_r
     url = await started
     assert url == "http://127.0.0.1:8888"
     running = ledger.open_intervals()
-    assert [(i.key, i.user, i.team, i.profile, i.model, i.share) for i in running] == [
-        (spawner.usage_key, "alice", "vision", "h200-quarter", "H200", Fraction(1, 4))]
+    assert spawner.usage_run == run_key("alice", "", spawner.orm_spawner.started)  # the service's key too
+    assert [(i.run, i.user, i.team, i.profile, i.model, i.share) for i in running] == [
+        (spawner.usage_run, "alice", "vision", "h200-quarter", "H200", Fraction(1, 4))]
+    assert running[0].start >= began_utc  # from Running: the 3 s in Volcano's queue are not usage
+    assert running[0].queue_wait >= timedelta(seconds=3)
     await asyncio.wait_for(progress, 5)  # progress ends with the start
     assert any("admitted by queue" in e.get("message", "") for e in events)
     assert any("[Warning] 0/2 nodes are unavailable" in e.get("message", "") for e in events)  # KubeSpawner's own
@@ -866,17 +871,17 @@ async def test_spawn_waits_in_queue_with_position_then_runs_stops_and_survives_r
     assert again is not spawner
     assert again.pod_name == spawner.pod_name and again.gpupool_choice.slug == "h200-quarter"
     assert again.gpupool_choice.team == "vision"
-    assert again.usage_key == spawner.usage_key
+    assert again.usage_run == spawner.usage_run
     later = running[0].start + timedelta(minutes=10)
     monkeypatch.setattr(periods, "utcnow", lambda: later)
     assert await again.poll() is None
-    assert ledger.interval(again.usage_key).last_seen == later  # the heartbeat
+    assert ledger.open_intervals()[0].last_seen == later  # the heartbeat
 
     await again.stop()
     assert cluster.object("pods", spawner.pod_name) is None
     assert await again.poll() == 1
-    ended = ledger.interval(spawner.usage_key)
-    assert ended.how == HowEnded.STOPPED and ended.end is not None and ledger.open_intervals() == []
+    ended = ledger.interval(running[0].key)
+    assert ended.how == HowEnded.STOPPED and ended.end == later and ledger.open_intervals() == []
 
 
 @pytest.mark.asyncio
@@ -1105,3 +1110,4 @@ async def test_spawns_admitted_together_never_exceed_a_quota_between_them(cluste
             await asyncio.wait_for(started, 10)
         await asyncio.wait_for(progress, 5)
     assert GPUKubeSpawner.admitted_spawns == {}
+    assert [i.key for i in ledger.open_intervals()] == ["carol-server"]  # neither ran

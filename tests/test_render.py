@@ -248,8 +248,8 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
             },
             "loadRoles": {
                 "gpupool-accounting": {
-                    "description": "gpupool-accounting reads team membership",
-                    "scopes": ["list:groups", "read:groups"],
+                    "description": "gpupool-accounting reads team membership and which servers run",
+                    "scopes": ["list:groups", "read:groups", "list:users", "read:servers"],
                     "services": ["accounting"],
                 },
                 "user": {"scopes": ["self", "access:services!service=accounting"]},

@@ -84,6 +84,11 @@ class UsageInterval(Base):
     #: Seconds of use committed at admission: while open, the interval counts against the budget as if
     #: it ran at least this long, so concurrent admissions cannot all spend the same last GPU-hour.
     reserve_s: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    #: The server run this interval belongs to (`ledger.run_key`); NULL for intervals of other writers.
+    #: A run closed by reconciliation and continued later is several intervals with one run.
+    run: Mapped[str | None] = mapped_column(sa.String(255))
+    #: Seconds the request waited in the pool's queue before it was placed (first interval of a run).
+    queue_wait_s: Mapped[int | None] = mapped_column(sa.BigInteger)
 
     __table_args__ = (
         sa.CheckConstraint("share_num > 0 AND share_den > 0", name="share_positive"),
@@ -98,6 +103,7 @@ class UsageInterval(Base):
         sa.Index(None, "start_at"),
         # Open intervals (holdings, reconciliation) are few; find them without a scan.
         sa.Index(None, "end_at"),
+        sa.Index(None, "run"),
     )
 
 

@@ -23,9 +23,10 @@ last GPU-hour cannot all be admitted.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from enum import StrEnum
 from fractions import Fraction
@@ -74,6 +75,15 @@ class OpenResult(StrEnum):
     EXISTS = "exists"  # the same interval was opened before: nothing changed
 
 
+class RunResult(StrEnum):
+    """What `Ledger.keep_run` did for a server that is running."""
+
+    OPENED = "opened"  # the run's first interval
+    CONTINUED = "continued"  # a new interval from where reconciliation had closed the last one
+    RUNNING = "running"  # its interval is open: noted as seen
+    ENDED = "ended"  # the run was stopped (not merely reconciled): nothing changed
+
+
 class CloseResult(StrEnum):
     CLOSED = "closed"
     ALREADY_CLOSED = "already_closed"  # closed before (that first end stands): nothing changed
@@ -95,6 +105,8 @@ class Interval:
     how: str | None
     last_seen: datetime
     reserve: timedelta
+    run: str | None = None
+    queue_wait: timedelta | None = None
 
     @property
     def is_open(self) -> bool:
@@ -122,12 +134,43 @@ class UsageRow:
 
 
 @dataclass(frozen=True)
+class QueueWaits:
+    """Queue waits of one team's runs: how many were measured, their total and the longest, in seconds."""
+
+    count: int
+    total_s: int
+    longest_s: int
+
+    @property
+    def mean_s(self) -> Fraction:
+        return Fraction(self.total_s, self.count) if self.count else Fraction(0)
+
+
+@dataclass(frozen=True)
 class AdmissionResult:
     """What `Ledger.admit` did: the decision, whether it opened the interval, and which alerts to send now."""
 
     decision: Decision
     opened: bool
     alerts: tuple[Alert, ...]
+
+
+#: Room left in the ledger's 255-character key for a continuation suffix (`~2`).
+MAX_RUN_KEY = 240
+
+
+def run_key(user: str, server: str, started: datetime) -> str:
+    """The ledger's key of one run of `user`'s server `server` that the hub started at `started`.
+
+    `started` is the hub's `orm_spawner.started`: set before `Spawner.start()` is called and shown as
+    `started` by the REST API, to the microsecond. Naive datetimes are the hub's UTC.
+    """
+    if started.tzinfo is None:
+        started = started.replace(tzinfo=UTC)
+    key = f"{user}/{server}@{periods.ensure_utc(started):%Y-%m-%dT%H:%M:%S.%fZ}"
+    if len(key) > MAX_RUN_KEY:  # the hub allows names up to 255 characters each
+        key = "run-sha256:" + hashlib.sha256(key.encode()).hexdigest()
+    return key
 
 
 # --- checking what callers write ---------------------------------------------------------------------------
@@ -174,9 +217,11 @@ def _seconds(moment: datetime, what: str) -> int:
 
 
 def _interval(row: Any) -> Interval:
+    wait = getattr(row, "queue_wait_s", None)
     return Interval(
         row.key, row.user, row.team, row.profile, row.model, Fraction(row.share_num, row.share_den),
         row.start_at, row.end_at, row.how, row.last_seen_at, timedelta(seconds=row.reserve_s),
+        getattr(row, "run", None), None if wait is None else timedelta(seconds=wait),
     )
 
 
@@ -236,6 +281,109 @@ class Ledger:
         with self._writer.begin() as connection:
             return self._open(connection, values)
 
+    def keep_run(self, run: str, user: str, team: str, profile: str, model: str, share: Fraction,
+                 start: datetime, seen_at: datetime, *, queue_wait: timedelta | None = None) -> RunResult:
+        """Make the ledger say that server run `run` is running at `seen_at`, whoever saw it.
+
+        The spawner (at start and on every poll) and the accounting service (from the hub's REST API)
+        both call this with the run's key (`run_key`), so it is idempotent and safe under
+        concurrent callers: no interval yet → the run's first one opens at `start`; its last interval
+        open → noted as seen; closed by reconciliation (nobody reported while the hub or the service
+        was down) → a new interval continues exactly where that one ended, so no second is lost or
+        counted twice; stopped for real → nothing (a late report of a stopped run changes nothing).
+        """
+        run = _text(run, "run", MAX_RUN_KEY)
+        seen_s = _seconds(seen_at, "seen_at")
+        wait_s = None
+        if queue_wait is not None:
+            if not isinstance(queue_wait, timedelta) or queue_wait < timedelta(0):
+                raise ValueError(f"queue_wait must be a timedelta of 0 or more, not {queue_wait!r}")
+            wait_s = queue_wait // timedelta(seconds=1)
+        c = INTERVALS.c
+        with self._writer.begin() as connection:
+            pieces = [_interval(row) for row in connection.execute(
+                sa.select(INTERVALS).where(c.run == run).order_by(c.start_at, c.id))]
+            if not pieces:
+                values = self._interval_values(run, user, team, profile, model, share, start, timedelta(0))
+                values.update(run=run, queue_wait_s=wait_s,
+                              last_seen_at=max(values["start_at"], periods.from_epoch_seconds(seen_s)))
+                # A concurrent caller may have opened it first (at its own idea of the start): that stands.
+                return RunResult.OPENED if self._insert_piece(connection, values) else RunResult.RUNNING
+            last = pieces[-1]
+            if last.is_open:
+                connection.execute(
+                    INTERVALS.update().where(c.key == last.key, c.end_at.is_(None))
+                    .values(last_seen_at=sa.case((_as_int(c.last_seen_at) < seen_s, seen_s),
+                                                 else_=_as_int(c.last_seen_at))))
+                return RunResult.RUNNING
+            if last.how != HowEnded.RECONCILED.value:
+                return RunResult.ENDED
+            # The same key for every caller that continues the same piece: concurrent callers meet.
+            values = self._interval_values(f"{run}~{len(pieces)}", last.user, last.team, last.profile,
+                                           last.model, last.share, last.end, timedelta(0))
+            values.update(run=run, last_seen_at=max(last.end, periods.from_epoch_seconds(seen_s)))
+            self._insert_piece(connection, values)
+            return RunResult.CONTINUED
+
+    def _insert_piece(self, connection: sa.Connection, values: dict[str, Any]) -> bool:
+        return connection.execute(
+            self._insert(INTERVALS).values(**values).on_conflict_do_nothing(index_elements=["key"])
+            .returning(INTERVALS.c.id)
+        ).first() is not None
+
+    def heartbeat_run(self, run: str, seen_at: datetime) -> bool:
+        """Note that run `run` was seen at `seen_at` if its interval is open (nothing opens); whether it was."""
+        run, seen_s = _text(run, "run", MAX_RUN_KEY), _seconds(seen_at, "seen_at")
+        c = INTERVALS.c
+        with self._writer.begin() as connection:
+            return connection.execute(
+                INTERVALS.update().where(c.run == run, c.end_at.is_(None))
+                .values(last_seen_at=sa.case((_as_int(c.last_seen_at) < seen_s, seen_s),
+                                             else_=_as_int(c.last_seen_at)))
+            ).rowcount > 0
+
+    def close_run(self, run: str, end: datetime | None, how: HowEnded | str) -> CloseResult:
+        """Close the open interval of server run `run` at `end` (None: at its last-seen time), and how."""
+        run, ended = _text(run, "run", MAX_RUN_KEY), _how(how)
+        c = INTERVALS.c
+        with self._writer.begin() as connection:
+            if end is None:
+                new_end: Any = c.last_seen_at
+            else:
+                end_s = _seconds(end, "end")
+                new_end = sa.case((_as_int(c.start_at) > end_s, _as_int(c.start_at)), else_=end_s)
+            closed = connection.execute(
+                INTERVALS.update().where(c.run == run, c.end_at.is_(None))
+                .values(end_at=new_end, how=ended.value,
+                        last_seen_at=sa.case((_as_int(c.last_seen_at) < _as_int(new_end), _as_int(new_end)),
+                                             else_=_as_int(c.last_seen_at)))
+            ).rowcount
+            if closed:
+                return CloseResult.CLOSED
+            known = connection.execute(sa.select(c.id).where(c.run == run).limit(1)).first()
+        return CloseResult.ALREADY_CLOSED if known is not None else CloseResult.UNKNOWN
+
+    def close_runs_except(self, running: Iterable[str], started_before: datetime) -> list[str]:
+        """Close, at their last-seen time, the open intervals of server runs not in `running`; their runs.
+
+        For the hub's view of what runs: a run the hub no longer lists has ended, and nobody reported
+        it. Only intervals that started before `started_before` (when the hub was asked) are closed: a
+        server that started since is not in the answer, yet runs.
+        """
+        keep = set(running)
+        before_s = _seconds(started_before, "started_before")
+        c = INTERVALS.c
+        with self._writer.begin() as connection:
+            candidates = connection.execute(
+                sa.select(c.id, c.run).where(c.end_at.is_(None), c.run.is_not(None), _as_int(c.start_at) < before_s)
+            ).all()
+            gone = [row for row in candidates if row.run not in keep]
+            for row in gone:
+                connection.execute(
+                    INTERVALS.update().where(c.id == row.id, c.end_at.is_(None))
+                    .values(end_at=c.last_seen_at, how=HowEnded.RECONCILED.value))
+        return sorted(row.run for row in gone)
+
     @staticmethod
     def _interval_values(key: str, user: str, team: str, profile: str, model: str, share: Any,
                          start: datetime, reserve: timedelta) -> dict[str, Any]:
@@ -248,7 +396,7 @@ class Ledger:
             "profile": _text(profile, "profile", 63), "model": _text(model, "model", 63),
             "share_num": exact.numerator, "share_den": exact.denominator,
             "start_at": start, "end_at": None, "how": None, "last_seen_at": start,
-            "reserve_s": reserve // timedelta(seconds=1),
+            "reserve_s": reserve // timedelta(seconds=1), "run": None, "queue_wait_s": None,
         }
 
     def _open(self, connection: sa.Connection, values: dict[str, Any]) -> OpenResult:
@@ -425,10 +573,41 @@ class Ledger:
             per_team[name] = per_team.get(name, Fraction(0)) + hours
         return Usage(period, per_team, {(name, model): hours for (name, model), hours in sums.items()})
 
-    def _sum(self, connection: sa.Connection, period: str, now: datetime, by: tuple[str, ...], *,
+    def gpu_hours_between(self, start: datetime, end: datetime, by: Sequence[str] = ("team",), *,
+                          team: str | None = None, now: datetime | None = None) -> dict[tuple[str, ...], Fraction]:
+        """Like `gpu_hours`, for any span [start, end) instead of a period (a day of a report)."""
+        unknown = [name for name in by if name not in GROUPINGS]
+        if unknown or len(set(by)) != len(by):
+            raise ValueError(f"cannot sum by {list(by)} (accepted: any of {', '.join(GROUPINGS)}, each once)")
+        bounds = (_seconds(start, "start"), _seconds(end, "end"))
+        if bounds[1] < bounds[0]:
+            raise ValueError(f"end {end.isoformat()} is before start {start.isoformat()}")
+        with self.engine.connect() as connection:
+            return self._sum(connection, bounds, now or periods.utcnow(), tuple(by), team=team)
+
+    def queue_waits(self, period: str, *, team: str | None = None) -> dict[str, QueueWaits]:
+        """How long the runs that started in `period` waited in the queue before they were placed, per team."""
+        start, end = (_seconds(t, "period") for t in periods.period_bounds(period))
+        c = INTERVALS.c
+        query = (sa.select(c.team, sa.func.count(), sa.func.sum(c.queue_wait_s), sa.func.max(c.queue_wait_s))
+                 .where(c.queue_wait_s.is_not(None), _as_int(c.start_at) >= start, _as_int(c.start_at) < end)
+                 .group_by(c.team))
+        if team is not None:
+            query = query.where(c.team == team)
+        with self.engine.connect() as connection:
+            return {name: QueueWaits(int(count), int(total), int(longest))
+                    for name, count, total, longest in connection.execute(query)}
+
+    def _sum(self, connection: sa.Connection, period: str | tuple[int, int], now: datetime, by: tuple[str, ...], *,
              team: str | None = None, reserving: bool = False) -> dict[tuple[str, ...], Fraction]:
-        """Σ share × clipped seconds, grouped by `by`, in exact integers per share denominator."""
-        period_start, period_end = (_seconds(t, "period") for t in periods.period_bounds(period))
+        """Σ share × clipped seconds, grouped by `by`, in exact integers per share denominator.
+
+        `period` is a billing period or (start, end) in epoch seconds.
+        """
+        if isinstance(period, str):
+            period_start, period_end = (_seconds(t, "period") for t in periods.period_bounds(period))
+        else:
+            period_start, period_end = period
         now_s = _seconds(now, "now")
         c = INTERVALS.c
         start, end = _as_int(c.start_at), _as_int(c.end_at)

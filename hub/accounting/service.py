@@ -8,6 +8,7 @@ everything. Another team's data answers 404, so that its existence does not leak
 
 from __future__ import annotations
 
+import asyncio
 import html
 import json
 import logging
@@ -19,15 +20,20 @@ from fractions import Fraction
 from pathlib import Path
 from urllib.parse import urlparse
 
+import requests
 from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from tornado import ioloop, web
 
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import format_hours, reached_alerts
 from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill, unit_price
 from gpupool.hub.accounting.ledger import Ledger
+from gpupool.hub.accounting.reports import (
+    MAX_TOP, bar_chart, capacity_of, column_chart, daily_utilisation, queue_waits, team_daily, top_consumers,
+)
+from gpupool.hub.accounting.servers import HubClient, reconcile_with_hub
 from gpupool.policies import DEFAULT_POLICY_DIR
 from gpupool.spawner.mixin import current_policy
 
@@ -88,6 +94,33 @@ class AccountingHandler(HubOAuthenticated, web.RequestHandler):
         except ValueError as error:
             raise web.HTTPError(400, str(error)) from None
         return period
+
+    def top_argument(self) -> int:
+        text = self.get_argument("top", "10")
+        if not text.isdigit() or not 1 <= int(text) <= MAX_TOP:
+            raise web.HTTPError(400, f"top must be a whole number from 1 to {MAX_TOP}, not {text[:20]!r}")
+        return int(text)
+
+    def admin_or_403(self) -> Viewer:
+        viewer = self.viewer()
+        if not viewer.admin:
+            raise web.HTTPError(403, "admins only")
+        return viewer
+
+    def lead_team_or_404(self, team: str) -> str:
+        """`team` when the viewer leads it (or is an admin); 404 otherwise, whether or not it exists."""
+        if team not in self.policy.teams or not self.viewer().may_see_members(team):
+            raise web.HTTPError(404, f"no team {team!r} that you lead")
+        return team
+
+    def write_page(self, title: str, body: str) -> None:
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.finish(
+            f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            "<style>body{font-family:sans-serif;margin:2em}section{margin:1.5em 0}"
+            "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}</style>"
+            f"</head><body><h1>{html.escape(title)}</h1>{body}</body></html>"
+        )
 
     def team_or_404(self, team: str) -> str:
         if team not in self.policy.teams or not self.viewer().may_see_team(team):
@@ -175,9 +208,7 @@ class TeamsHandler(AccountingHandler):
 
     @web.authenticated
     def get(self):
-        viewer = self.viewer()
-        if not viewer.admin:
-            raise web.HTTPError(403, "admins only")
+        self.admin_or_403()
         policy, period = self.policy, self.period_argument()
         self.write_json({
             "period": period,
@@ -200,6 +231,108 @@ def utilisation(ledger: Ledger, policy, period: str) -> dict[str, dict[str, str]
         result[model] = {"allocated_gpu_hours": _hours(used), "capacity_gpu_hours": _hours(capacity),
                          "utilisation": f"{float(used / capacity):.4f}" if capacity else "0"}
     return result
+
+
+def admin_report(ledger: Ledger, policy, period: str, top: int) -> dict:
+    """Everything the admin page shows, as JSON."""
+    capacity = capacity_of(policy)
+    return {
+        "period": period,
+        "capacity_cards": capacity,
+        "utilisation": utilisation(ledger, policy, period),
+        "utilisation_daily": daily_utilisation(ledger, policy, capacity, period),
+        "queue_waits": queue_waits(ledger, period),
+        "top_consumers": top_consumers(ledger, period, top),
+        "teams": [team_summary(ledger, policy, t, period, False) for t in policy.teams],
+    }
+
+
+def team_report(ledger: Ledger, policy, team: str, period: str, top: int) -> dict:
+    """Everything a team lead's page shows, as JSON."""
+    return {
+        **team_summary(ledger, policy, team, period, True),
+        "daily": team_daily(ledger, team, period),
+        "queue_waits": queue_waits(ledger, period, team=team).get(team),
+        "top_consumers": top_consumers(ledger, period, top, team=team),
+    }
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+class AdminReportHandler(AccountingHandler):
+    @web.authenticated
+    def get(self):
+        self.admin_or_403()
+        self.write_json(admin_report(self.ledger, self.policy, self.period_argument(), self.top_argument()))
+
+
+class AdminPageHandler(AccountingHandler):
+    """Admins: every team, utilisation per model per day, queue waits, top consumers."""
+
+    @web.authenticated
+    def get(self):
+        self.admin_or_403()
+        period = self.period_argument()
+        report = admin_report(self.ledger, self.policy, period, self.top_argument())
+        sections = []
+        for model, days in report["utilisation_daily"].items():
+            sections.append(column_chart(
+                f"{model} utilisation per day ({report['capacity_cards'][model]} cards)",
+                [(d["day"], float(d["utilisation"])) for d in days], "of capacity", top=1.0))
+        sections.append(bar_chart(f"Teams: GPU-hours in {period}",
+                                  [(t["team"], float(Fraction(t["gpu_hours"]))) for t in report["teams"]], "GPU-h"))
+        sections.append(bar_chart("Top consumers", [(f'{c["user"]} ({c["team"]})', float(Fraction(c["gpu_hours"])))
+                                                    for c in report["top_consumers"]], "GPU-h"))
+        waits = report["queue_waits"]
+        sections.append(bar_chart("Mean queue wait per team", [(t, float(w["mean_seconds"])) for t, w in waits.items()],
+                                  "s"))
+        sections.append(_table(["team", "runs that queued", "mean wait (s)", "longest wait (s)"],
+                               [[t, w["runs"], w["mean_seconds"], w["longest_seconds"]] for t, w in waits.items()]))
+        sections.append(_table(["team", "GPU-hours", "budget", "used"],
+                               [[t["team"], t["gpu_hours"], t["budget_gpu_hours"] or "none", t["budget_used"] or "-"]
+                                for t in report["teams"]]))
+        links = " · ".join(f"<a href='teams/{html.escape(t)}?period={period}'>{html.escape(t)}</a>"
+                           for t in self.policy.teams)
+        self.write_page(f"gpupool: all teams, {period}",
+                        "".join(f"<section>{s}</section>" for s in sections)
+                        + f"<p>Teams: {links}</p><p><a href='api/admin/report?period={period}'>as JSON</a></p>")
+
+
+class TeamReportHandler(AccountingHandler):
+    @web.authenticated
+    def get(self, team: str):
+        team = self.lead_team_or_404(team)
+        self.write_json(team_report(self.ledger, self.policy, team, self.period_argument(), self.top_argument()))
+
+
+class TeamPageHandler(AccountingHandler):
+    """Team leads (and admins): the team's users, its GPU-hours per day, its queue waits."""
+
+    @web.authenticated
+    def get(self, team: str):
+        team = self.lead_team_or_404(team)
+        period = self.period_argument()
+        report = team_report(self.ledger, self.policy, team, period, self.top_argument())
+        budget = float(report["budget_gpu_hours"]) if report["budget_gpu_hours"] else None
+        sections = [
+            bar_chart(f"Team {team}: GPU-hours in {period}", [(team, float(Fraction(report["gpu_hours"])))],
+                      "GPU-h", budget),
+            column_chart(f"Team {team}: GPU-hours per day", [(d["day"], float(Fraction(d["gpu_hours"])))
+                                                             for d in report["daily"]], "GPU-h"),
+            bar_chart(f"Members of {team}", [(u, float(Fraction(h))) for u, h in report["users"].items()], "GPU-h"),
+        ]
+        waits = report["queue_waits"]
+        sections.append("<p>Queue: " + (f"{waits['runs']} run(s) waited, {waits['mean_seconds']} s on average, "
+                                        f"{waits['longest_seconds']} s at most" if waits else "no run waited")
+                        + "</p>")
+        self.write_page(f"gpupool: team {team}, {period}",
+                        "".join(f"<section>{s}</section>" for s in sections)
+                        + f"<p><a href='../api/teams/{html.escape(team)}/report?period={period}'>as JSON</a> · "
+                          f"<a href='../api/teams/{html.escape(team)}/bill?format=html&amp;period={period}'>bill</a></p>")
 
 
 class MetricsHandler(AccountingHandler):
@@ -233,26 +366,21 @@ class _Collector:
             if team.budget.gpu_hours:
                 budget.add_metric([name], float(used.get((name,), Fraction(0)) / Fraction(team.budget.gpu_hours)))
         yield budget
-
-
-def bar_chart(title: str, bars: list[tuple[str, float]], unit: str, limit: float | None = None) -> str:
-    """A small self-contained SVG bar chart (no JavaScript), every label escaped."""
-    width, row = 560, 26
-    height = 40 + row * max(1, len(bars))
-    top = max([v for _, v in bars] + [limit or 0, 1e-9])
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
-             f'aria-label="{html.escape(title)}"><text x="0" y="16" font-weight="bold">{html.escape(title)}</text>']
-    for i, (label, value) in enumerate(bars):
-        y = 30 + i * row
-        length = 300 * value / top
-        parts.append(f'<text x="0" y="{y + 15}">{html.escape(label)}</text>'
-                     f'<rect x="150" y="{y}" width="{length:.1f}" height="18" fill="#3b7dd8"/>'
-                     f'<text x="{156 + length:.1f}" y="{y + 14}">{value:.2f} {html.escape(unit)}</text>')
-    if limit:
-        x = 150 + 300 * limit / top
-        parts.append(f'<line x1="{x:.1f}" y1="26" x2="{x:.1f}" y2="{height}" stroke="#c0392b" '
-                     f'stroke-dasharray="4"/><text x="{x + 3:.1f}" y="{height - 2}" fill="#c0392b">budget</text>')
-    return "".join(parts) + "</svg>"
+        # The live queue length and wait histogram are the hub's (/hub/metrics, where the queue is); these
+        # are the waits the ledger recorded this period, which survive restarts.
+        waited = GaugeMetricFamily("gpupool_queue_waited_runs", "Runs this period that waited in the queue",
+                                   labels=["team"])
+        mean = GaugeMetricFamily("gpupool_queue_wait_mean_seconds", "Mean queue wait of this period's runs",
+                                 labels=["team"])
+        for name, waits in sorted(self.ledger.queue_waits(period).items()):
+            waited.add_metric([name], waits.count)
+            mean.add_metric([name], float(waits.mean_s))
+        yield waited
+        yield mean
+        errors = CounterMetricFamily("gpupool_reconcile_errors", "Reconciliation rounds that failed", labels=["step"])
+        for step, count in RECONCILE_ERRORS.items():
+            errors.add_metric([step], count)
+        yield errors
 
 
 class PageHandler(AccountingHandler):
@@ -279,9 +407,15 @@ class PageHandler(AccountingHandler):
             "<!doctype html><html><head><meta charset='utf-8'><title>gpupool usage</title></head><body>"
             f"<h1>GPU usage of {html.escape(viewer.name)}, {html.escape(period)}</h1>"
             + "".join(f"<section>{s}</section>" for s in sections)
+            + "".join(f"<p><a href='teams/{html.escape(t)}'>Team {html.escape(t)}: members and days</a></p>"
+                      for t in sorted(viewer.leads))
+            + ("<p><a href='admin'>All teams: utilisation, queue waits, top consumers</a></p>" if viewer.admin else "")
             + "<p><a href='api/me'>as JSON</a></p></body></html>"
         )
 
+
+PERIOD = {"name": "period", "in": "query", "schema": {"type": "string", "pattern": "^\\d{4}-(0[1-9]|1[0-2])$"}}
+TOP = {"name": "top", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": MAX_TOP, "default": 10}}
 
 OPENAPI = {
     "openapi": "3.1.0",
@@ -297,6 +431,16 @@ OPENAPI = {
         "/api/teams/{team}": {"get": {"summary": "A team's totals (with per-user GPU-hours for leads and admins)"}},
         "/api/teams/{team}/bill": {"get": {"summary": "A team's bill (leads and admins)", "parameters": [
             {"name": "format", "in": "query", "schema": {"enum": list(FORMATS)}}]}},
+        "/api/teams/{team}/report": {"get": {
+            "summary": "Team leads and admins: the team's users, GPU-hours per day, queue waits, top consumers",
+            "parameters": [PERIOD, TOP]}},
+        "/api/admin/report": {"get": {
+            "summary": "Admins: utilisation (allocated / capacity GPU-hours) per model per day, queue waits per team, "
+                       "top consumers, every team's totals", "parameters": [PERIOD, TOP]}},
+        "/admin": {"get": {"summary": "Admins: the all-teams page with charts (HTML, inline SVG)",
+                           "parameters": [PERIOD, TOP]}},
+        "/teams/{team}": {"get": {"summary": "Team leads and admins: the team page with charts (HTML, inline SVG)",
+                                  "parameters": [PERIOD, TOP]}},
         "/metrics": {"get": {"summary": "Prometheus metrics (admins)"}},
     },
 }
@@ -316,6 +460,10 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str) -> web.Application:
             (prefix + "api/teams", TeamsHandler),
             (prefix + r"api/teams/([^/]+)", TeamHandler),
             (prefix + r"api/teams/([^/]+)/bill", BillHandler),
+            (prefix + r"api/teams/([^/]+)/report", TeamReportHandler),
+            (prefix + "api/admin/report", AdminReportHandler),
+            (prefix + "admin", AdminPageHandler),
+            (prefix + r"teams/([^/]+)", TeamPageHandler),
             (prefix + "metrics", MetricsHandler),
             (prefix + "openapi.json", OpenAPIHandler),
             (prefix + "oauth_callback", HubOAuthCallbackHandler),
@@ -323,6 +471,41 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str) -> web.Application:
         ledger=ledger, policy_dir=policy_dir, cookie_secret=os.urandom(32),
         max_body_size=MAX_BODY_BYTES,
     )
+
+
+#: Reconciliation rounds that failed, by step (`hub`: the hub did not answer or the ledger refused a write).
+RECONCILE_ERRORS: dict[str, int] = {"hub": 0, "stale": 0}
+
+
+def reconcile_once(ledger: Ledger, policy_of, hub: HubClient | None, stale: timedelta) -> None:
+    """One round: make the ledger agree with what the hub runs, then close what nobody has seen for `stale`.
+
+    When the hub does not answer, only the second step runs; a server that ran on meanwhile is continued
+    from where its interval was closed as soon as the hub or its spawner reports it again.
+    """
+    if hub is not None:
+        try:
+            done = reconcile_with_hub(ledger, policy_of(), hub)
+            for what in ("opened", "continued", "closed"):
+                runs = getattr(done, what)
+                if runs:
+                    log.warning("reconciliation with the hub %s %d run(s): %s", what, len(runs), ", ".join(runs))
+            for run, why in done.unknown.items():
+                log.error("cannot account for %s: %s", run, why)
+        except requests.RequestException as error:  # the hub is down or restarting: the next round tries again
+            RECONCILE_ERRORS["hub"] += 1
+            log.warning("reconciliation with the hub skipped: %s", error)
+        except Exception:  # keep serving; the next round tries again
+            RECONCILE_ERRORS["hub"] += 1
+            log.exception("reconciliation with the hub failed")
+    try:
+        closed = ledger.reconcile(stale)
+        if closed:
+            log.warning("closed %d interval(s) not seen for %s at their last heartbeat: %s", len(closed),
+                        stale, ", ".join(closed))
+    except Exception:
+        RECONCILE_ERRORS["stale"] += 1
+        log.exception("reconciliation of stale intervals failed")
 
 
 def main() -> None:
@@ -337,17 +520,16 @@ def main() -> None:
     host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
 
     stale = timedelta(seconds=int(os.environ.get("GPUPOOL_RECONCILE_STALE_SECONDS", "300")))
+    every = float(os.environ.get("GPUPOOL_RECONCILE_SECONDS", "60"))
+    api_url, token = os.environ.get("JUPYTERHUB_API_URL"), os.environ.get("JUPYTERHUB_API_TOKEN")
+    hub = HubClient(api_url, token) if api_url and token else None
+    policy_dir = app.settings["policy_dir"]
 
-    def reconcile():
-        try:
-            closed = ledger.reconcile(stale)
-            if closed:
-                log.warning("closed %d interval(s) not seen for %s at their last heartbeat: %s", len(closed),
-                            stale, ", ".join(closed))
-        except Exception:  # keep serving; the next round tries again
-            log.exception("reconciliation failed")
+    async def reconcile():
+        await asyncio.to_thread(reconcile_once, ledger, lambda: current_policy(policy_dir, log), hub, stale)
 
-    ioloop.PeriodicCallback(reconcile, 60_000).start()
+    ioloop.IOLoop.current().add_callback(reconcile)  # at once: the hub may have run servers while we were down
+    ioloop.PeriodicCallback(reconcile, every * 1000).start()
     app.listen(port, host)
     log.info("gpupool-accounting at %s%s", url, prefix)
     ioloop.IOLoop.current().start()
