@@ -30,6 +30,7 @@ from gpupool.hub.accounting.admission import AdmissionRequest, Holdings
 from gpupool.hub.accounting.admission import decide as admission_decision
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
 from gpupool.policies.model import Policy, parse_quantity
+from gpupool.spawner.datasets import ServerDatasets
 from gpupool.spawner.mixin import Choice, GPUPoolSpawnerMixin
 from gpupool.spawner.pool import (
     AllocationStore, Decide, Denied, LocalPool, QueueTimeout, Request, Verdict, discover_cards, process_alive,
@@ -163,6 +164,35 @@ def ensure_team_folder(root: Path, team: str, as_root: bool) -> Path:
     else:
         os.chmod(folder, 0o2770)
     return folder
+
+
+def write_server_datasets(folder: Path, setup: ServerDatasets, owner: tuple[int, int] | None) -> dict[str, str]:
+    """Write a server's DVC config and credentials into its private `folder`; the environment pointing there.
+
+    The folder is rewritten at every start (policy or membership may have changed) and is 0700, owned by
+    the server's user: it is DVC's *global* config, outside any repository, so no `git add` can take it.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    dvc = folder / "dvc"
+    dvc.mkdir(exist_ok=True)
+    files = {dvc / "config": setup.dvc_config}
+    env = {"DVC_GLOBAL_CONFIG_DIR": str(dvc)}
+    credentials = folder / "aws-credentials"
+    if setup.credentials:
+        files[credentials] = setup.credentials
+        env["AWS_SHARED_CREDENTIALS_FILE"] = str(credentials)
+    else:
+        credentials.unlink(missing_ok=True)
+    for path, text in files.items():
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as out:
+            out.write(text)
+        os.chmod(path, 0o600)
+    if owner is not None:
+        for path in (folder, dvc, *files):
+            os.chown(path, *owner)
+    return env
 
 
 class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
@@ -306,6 +336,26 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
                 env.update(mps_env(self.state_dir, share, memory))
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU-only: no card is visible
+        env.update(self.dataset_env())
+        return env
+
+    @property
+    def server_folder(self) -> Path:
+        """Private per-server files (DVC's global config, credentials), outside the user's repositories."""
+        return Path(self.state_dir) / "servers" / self.user.name / (f"named-{self.name}" if self.name else "default")
+
+    def dataset_env(self) -> dict[str, str]:
+        """The team remotes as DVC's user-level config, written for this server; its environment variables."""
+        owner = None
+        if self.run_as == "user":
+            account = pwd.getpwnam(self.user.name)
+            owner = (account.pw_uid, account.pw_gid)
+        parent = self.server_folder.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(parent.parent, 0o711)  # users pass through to their own folder, list nothing
+        os.chmod(parent, 0o711)
+        env = write_server_datasets(self.server_folder, self.server_datasets(self.team_root), owner)
+        env["GPUPOOL_TEAM_ROOT"] = self.team_root
         return env
 
     async def start(self):

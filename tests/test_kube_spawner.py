@@ -437,7 +437,9 @@ def relevant(pod: dict) -> dict:
         "nodeSelector": spec.get("nodeSelector"), "tolerations": spec.get("tolerations"),
         "priorityClassName": spec.get("priorityClassName"), "annotations": annotations,
         "labels": {k: v for k, v in pod["metadata"]["labels"].items() if k.startswith("gpupool.io/")},
-        "env": {e["name"]: e["value"] for e in notebook["env"] if e["name"].startswith("GPUPOOL_")},
+        # The team remote's DVC config is checked on its own (test_pod_gets_the_team_remote_and_its_secret).
+        "env": {e["name"]: e["value"] for e in notebook["env"]
+                if e["name"].startswith("GPUPOOL_") and e["name"] != "GPUPOOL_DVC_CONFIG"},
     }
 
 
@@ -479,7 +481,7 @@ async def test_sanitizing_strips_cuda_disable_control_and_foreign_hami_annotatio
     assert [c["name"] for c in containers] == ["notebook", "sidecar", "init"]
     assert not [e for c in containers for e in c.get("env") or [] if e["name"] == "CUDA_DISABLE_CONTROL"]
     assert {e["name"]: e["value"] for e in pod["spec"]["initContainers"][0]["env"]} == {"OTHER": "2"}
-    assert {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}["KEEP_ME"] == "1"
+    assert {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}["KEEP_ME"] == "1"
     annotations = pod["metadata"]["annotations"]
     assert not [k for k in annotations if k.startswith("hami.io/")]
     assert annotations["scheduling.volcano.sh/queue-name"] == "vision"
