@@ -20,10 +20,8 @@ from pathlib import Path, PurePosixPath
 import yaml
 
 from gpupool.policies import DEFAULT_POLICY_DIR, Policy, PolicyError, load_policy
-from gpupool.spawner.datasets import Remote, check_inside_root, team_remote
+from gpupool.spawner.datasets import REGISTRY_FOLDER, Remote, check_inside_root, team_remote
 
-#: The registry's folder inside the team folder.
-REGISTRY_FOLDER = "datasets.git"
 DATASET_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
 VERSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 #: What a DVC config must never hold inside a repository: keys that carry or point to credentials.

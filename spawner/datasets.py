@@ -16,6 +16,8 @@ from pathlib import PurePosixPath
 
 from gpupool.policies.model import Policy, s3_root_parts
 
+#: A team's dataset registry (a bare git repository) inside its team folder.
+REGISTRY_FOLDER = "datasets.git"
 #: Keys of a team's credentials, as they appear in an AWS shared credentials file and in the team's Secret.
 CREDENTIAL_KEYS = ("aws_access_key_id", "aws_secret_access_key")
 
@@ -76,6 +78,18 @@ class ServerDatasets:
     dvc_config: str
     credentials: str = ""
     env: dict[str, object] = field(default_factory=dict)
+    git_config: str = ""
+
+
+def git_config_text(registries: Sequence[str]) -> str:
+    """A git system config: the machine's own, plus the team registries as safe directories.
+
+    A registry belongs to whoever created it; git refuses any other owner's repository ("dubious ownership")
+    unless it is listed in a protected config, and a repository's own config cannot list itself.
+    """
+    lines = ["[include]", "\tpath = /etc/gitconfig", "[safe]"]
+    lines += [f"\tdirectory = {path}" for path in registries]
+    return "\n".join(lines) + "\n"
 
 
 def dvc_config_text(remotes: Sequence[Remote], default: str, with_profiles: bool) -> str:
@@ -130,8 +144,9 @@ def server_datasets(policy: Policy, teams: Sequence[str], default: str, team_roo
             env = {key.upper(): {"valueFrom": {"secretKeyRef": {"name": secret, "key": key.upper()}}}
                    for key in CREDENTIAL_KEYS}
         return ServerDatasets(remotes, default, dvc_config_text(remotes, default, with_profiles=False), "", env)
+    registries = [posixpath.join(team_root, remote.team, REGISTRY_FOLDER) for remote in remotes]
     return ServerDatasets(remotes, default, dvc_config_text(remotes, default, with_profiles=True),
-                          credentials_text(remotes, credentials or {}), env)
+                          credentials_text(remotes, credentials or {}), env, git_config_text(registries))
 
 
 def read_credentials_file(text: str) -> dict[str, dict[str, str]]:

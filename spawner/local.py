@@ -176,8 +176,8 @@ def write_server_datasets(folder: Path, setup: ServerDatasets, owner: tuple[int,
     os.chmod(folder, 0o700)
     dvc = folder / "dvc"
     dvc.mkdir(exist_ok=True)
-    files = {dvc / "config": setup.dvc_config}
-    env = {"DVC_GLOBAL_CONFIG_DIR": str(dvc)}
+    files = {dvc / "config": setup.dvc_config, folder / "gitconfig": setup.git_config}
+    env = {"DVC_GLOBAL_CONFIG_DIR": str(dvc), "GIT_CONFIG_SYSTEM": str(folder / "gitconfig")}
     credentials = folder / "aws-credentials"
     if setup.credentials:
         files[credentials] = setup.credentials
@@ -355,7 +355,9 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         os.chmod(parent.parent, 0o711)  # users pass through to their own folder, list nothing
         os.chmod(parent, 0o711)
         env = write_server_datasets(self.server_folder, self.server_datasets(self.team_root), owner)
+        # For `gpupool datasets` in the server: the same team folders and policies as the hub's.
         env["GPUPOOL_TEAM_ROOT"] = self.team_root
+        env["GPUPOOL_POLICIES"] = self.policy_dir
         return env
 
     async def start(self):
