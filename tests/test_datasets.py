@@ -453,3 +453,52 @@ def test_nlp_user_can_neither_read_nor_write_the_vision_folder(tmp_path_factory)
             subprocess.run(["groupdel", group], capture_output=True, check=False)
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(f"/tmp/{alice}-clone", ignore_errors=True)
+
+
+# --- Kubernetes mode ----------------------------------------------------------------------------------------------
+
+
+def test_the_pods_post_start_hook_writes_a_config_dvc_reads(tmp_path):
+    """What the pod's postStart hook runs, run here with the pod's env: DVC then knows the team remote."""
+    from gpupool.spawner.datasets import KUBE_POST_START, kube_env
+
+    setup = server_datasets(load_policy(EXAMPLES_DIR), ["nlp"], "nlp", "/unused", secret_name="x-{team}")
+    env = {**os.environ, **{k: v for k, v in kube_env(setup).items() if isinstance(v, str)}}
+    env["DVC_GLOBAL_CONFIG_DIR"] = str(tmp_path / "dvc")  # the pod's /tmp/gpupool-dvc
+    subprocess.run(KUBE_POST_START, env=env, check=True)
+    assert (tmp_path / "dvc" / "config").read_text() == setup.dvc_config
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    run(env, "git", "init", "--quiet", cwd=repo)
+    dvc(env, "init", "--quiet", cwd=repo)
+    listed = dvc(env, "remote", "list", cwd=repo).stdout.split()
+    assert listed == ["nlp", "s3://gpupool-nlp/dvc", "(default)"]
+    assert dvc(env, "config", "core.remote", cwd=repo).stdout.strip() == "nlp"
+
+
+def test_chart_makes_one_secret_per_team_and_wires_the_spawner_to_it(tmp_path):
+    import base64
+
+    import helm_python as helm
+
+    out = subprocess.run([GPUPOOL, "render", "--policies", EXAMPLES_DIR, "--release", "pool", "--helm-values"],
+                         capture_output=True, text=True, check=True).stdout
+    values = yaml.safe_load(out)
+    values["jupyterhub"]["enabled"] = False
+    assert values["jupyterhub"]["hub"]["config"]["GPUKubeSpawner"] == {"dataset_secret_name": "pool-datasets-{team}"}
+    values["postgresql"] = {"host": "db", "existingSecret": "pg"}
+    values["datasets"] = {"credentials": {"vision": {"accessKeyId": "VK", "secretAccessKey": "vs/+="}}}
+    chart_dir = Path(__file__).resolve().parents[1] / "helm" / "gpupool"
+    with helm.Chart.load(chart_dir) as chart:
+        rendered = chart.render(values, name="pool", namespace="jhub", is_install=True)
+    secrets = [d for path, text in rendered.items() if not path.endswith("NOTES.txt")
+               for d in yaml.safe_load_all(text) if d and d["kind"] == "Secret"]
+    (secret,) = [s for s in secrets if s["metadata"]["name"].startswith("pool-datasets-")]
+    assert secret["metadata"]["name"] == "pool-datasets-vision" and secret["metadata"]["namespace"] == "jhub"
+    assert {k: base64.b64decode(v).decode() for k, v in secret["data"].items()} == {
+        "AWS_ACCESS_KEY_ID": "VK", "AWS_SECRET_ACCESS_KEY": "vs/+="}
+    values["datasets"] = {"credentials": {"Vision!": {"accessKeyId": "VK"}}}
+    with helm.Chart.load(chart_dir) as chart, pytest.raises(helm.HelmValuesError) as refused:
+        chart.render(values, name="pool", namespace="jhub", is_install=True)
+    assert "'Vision!' does not match pattern" in str(refused.value) and "missing property 'secretAccessKey'" in str(
+        refused.value)

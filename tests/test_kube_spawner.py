@@ -459,6 +459,25 @@ async def test_pod_manifest_for_each_backend(key, expected):
 
 
 @pytest.mark.asyncio
+async def test_pod_gets_the_team_remote_and_its_secret():
+    """The team's S3 keys come from its Secret as env; DVC's user-level config is written by a postStart hook."""
+    config = spawner_config(EXAMPLES)
+    config.GPUKubeSpawner.dataset_secret_name = "pool-datasets-{team}"
+    spawner = HubDB(config).spawner("alice", GROUPS["alice"])
+    await spawner._run_apply_user_options({"profile": "h200-quarter"})
+    pod = await serialized(await spawner.get_pod_manifest())
+    (notebook,) = [c for c in pod["spec"]["containers"] if c["name"] == "notebook"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in notebook["env"]}
+    assert env["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "pool-datasets-vision", "key": "AWS_ACCESS_KEY_ID"}}
+    assert env["AWS_SECRET_ACCESS_KEY"] == {"secretKeyRef": {"name": "pool-datasets-vision",
+                                                             "key": "AWS_SECRET_ACCESS_KEY"}}
+    assert env["DVC_GLOBAL_CONFIG_DIR"] == "/tmp/gpupool-dvc"
+    assert env["GPUPOOL_DVC_CONFIG"] == ("[core]\nremote = vision\n['remote \"vision\"']\n"
+                                         "url = s3://gpupool-vision/dvc\nendpointurl = https://s3.example.org\n")
+    assert notebook["lifecycle"]["postStart"]["exec"]["command"][:2] == ["sh", "-c"]
+
+
+@pytest.mark.asyncio
 async def test_sanitizing_strips_cuda_disable_control_and_foreign_hami_annotations():
     c = spawner_config(EXAMPLES)
     # However they got there (a config section, a group override, a hook), these must not reach the pod.
