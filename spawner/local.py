@@ -302,7 +302,15 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     def make_preexec_fn(self, name):
         if self.run_as == "user":
-            return super().make_preexec_fn(name)
+            become_user = super().make_preexec_fn(name)
+
+            def preexec():
+                become_user()
+                # Group-writable by default, so that teammates can add to what one member pushed into the
+                # setgid team folder (DVC remote, registry); a home stays private: its group is the user's own.
+                os.umask(0o007)
+
+            return preexec
         home = Path(self.state_dir) / "home" / self.user.name
 
         def preexec():

@@ -7,6 +7,7 @@ and a kernel in it prints its `os.environ`. Credentials must never reach a repos
 from __future__ import annotations
 
 import configparser
+import grp
 import hashlib
 import json
 import os
@@ -446,6 +447,17 @@ def test_nlp_user_can_neither_read_nor_write_the_vision_folder(tmp_path_factory)
             assert denied.returncode != 0, command
             assert "Permission denied" in denied.stderr or "does not exist" in denied.stderr, denied.stderr
         assert as_user(nadia, "touch", teams / nlp / "dvc" / "ok").returncode == 0
+
+        # A server of alice's pushes with the spawner's umask: what it creates, teammates may extend.
+        from gpupool.spawner.local import LocalGPUSpawner
+
+        spawner = LocalGPUSpawner(policy_dir=str(policies), state_dir=str(root / "state"), run_as="user")
+        spawner.user = type("UserDouble", (), {"name": alice, "groups": []})()  # a double of JupyterHub's User
+        made = subprocess.run(["sh", "-c", f"umask; mkdir -p {folder}/dvc/files/md5/ab"], cwd="/tmp",
+                              preexec_fn=spawner.make_preexec_fn(alice), capture_output=True, text=True, check=True)
+        assert made.stdout.strip() == "0007"
+        made_dir = folder / "dvc" / "files" / "md5" / "ab"
+        assert oct(made_dir.stat().st_mode)[-4:] == "2770" and made_dir.stat().st_gid == grp.getgrnam(vision).gr_gid
     finally:
         for user in (alice, nadia):
             subprocess.run(["userdel", "--remove", user], capture_output=True, check=False)
