@@ -223,6 +223,9 @@ class GPUPoolSpawnerMixin(LoggingConfigurable):
             return server_datasets(self.policy, self.user_teams(), choice.team, team_root,
                                    secret_name=self.dataset_secret_name)
         credentials = {}
+        if self.policy.datasets.storage == "s3" and not self.dataset_credentials_file:
+            self.log.warning("datasets.storage is s3 but no dataset_credentials_file is set: the team remotes "
+                             "of %s's server will have no credentials", self.user.name)
         if self.dataset_credentials_file and self.policy.datasets.storage == "s3":
             credentials = read_credentials_file(Path(self.dataset_credentials_file).read_text())
             missing = [t for t in self.user_teams() if t not in credentials]
