@@ -358,11 +358,11 @@ def ensure_team_storage(policy: Policy, registry: Registry, team_root: str | Pat
     from gpupool.spawner.local import ensure_team_folder
 
     team = registry.remote.team
-    as_root = os.geteuid() == 0 and _group_exists(team)
-    ensure_team_folder(Path(team_root), team, as_root)
-    if policy.datasets.storage == "folder":
-        remote = Path(registry.remote.url)
-        remote.mkdir(parents=True, exist_ok=True)
+    if not (Path(team_root) / team).is_dir():  # a member's server finds it made (and owned) by the hub
+        ensure_team_folder(Path(team_root), team, os.geteuid() == 0 and _group_exists(team))
+    remote = Path(registry.remote.url)
+    if policy.datasets.storage == "folder" and not remote.is_dir():
+        remote.mkdir(parents=True)
         os.chmod(remote, 0o2770)  # every member pushes here; setgid keeps the team group on what they add
 
 
@@ -432,7 +432,7 @@ def main(args: argparse.Namespace) -> int:
     except PolicyError as error:
         print(error.report(args.policies or DEFAULT_POLICY_DIR, "nothing was changed"), file=sys.stderr)
         return 1
-    except DatasetError as error:
+    except (DatasetError, OSError) as error:
         print(f"gpupool datasets: {error}", file=sys.stderr)
         return 1
     return 0

@@ -1,8 +1,5 @@
-"""Each team's DVC remote, and the user-level DVC configuration a server of the team gets (pure, no I/O).
-
-Both spawners call `server_datasets`; the configuration lives outside every repository (DVC's global config
-dir) and credentials are never part of a DVC config: they come as an AWS profile per team (embedded) or as
-environment variables from the team's Secret (Kubernetes).
+"""Each team's DVC remote and the user-level DVC config a server of the team gets (pure): no credential is
+ever part of a DVC config; they come as an AWS profile per team (embedded) or from the team's Secret (Kubernetes).
 """
 
 from __future__ import annotations
