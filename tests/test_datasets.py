@@ -194,6 +194,10 @@ def test_bad_input_is_refused_and_changes_nothing(tmp_path, capsys, argv, expect
 # --- the real thing: servers, dvc, SeaweedFS ---------------------------------------------------------------------
 
 
+#: A loaded 2-core machine can take more than JupyterHub's default 30 s to import and start JupyterLab.
+PATIENCE = "c.Spawner.http_timeout = 240"
+
+
 def server_env(hub: Hub, user: str, teams: list[str], team: str) -> dict[str, str]:
     """The environment of `user`'s real server charged to `team` (printed by a kernel in it); stops it."""
     for t in teams:
@@ -313,7 +317,7 @@ def stop(hub: Hub) -> None:
 @pytest.fixture(scope="module")
 def folder_env(tmp_path_factory):
     """A real `vision` server's environment on a hub with folder storage; alice is in vision and nlp."""
-    hub = Hub(tmp_path_factory.mktemp("datasets-folder"), POLICY, 'c.LocalGPUSpawner.run_as = "self"')
+    hub = Hub(tmp_path_factory.mktemp("datasets-folder"), POLICY, 'c.LocalGPUSpawner.run_as = "self"\n' + PATIENCE)
     hub.start()
     try:
         yield server_env(hub, "alice", ["vision", "nlp"], "vision"), hub
@@ -337,6 +341,24 @@ def test_folder_registry(folder_env, tmp_path):
     env, hub = folder_env
     registry = registry_round_trip(env, tmp_path, str(hub.state / "teams" / "vision" / "dvc"))
     registry_has_no_credentials(registry, (), str(hub.state / "teams" / "vision"))
+
+    # A symlinked folder in the data is refused, and nothing is tagged.
+    linked = make_data(tmp_path / "linked", "three")
+    (linked / "outside").symlink_to(tmp_path / "cats-v1")
+    refused = run(env, GPUPOOL, "datasets", "add", "cats", linked, "--version", "v3", cwd=tmp_path, ok=False)
+    assert refused.returncode == 1 and "is a symlinked directory inside the dataset" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    # A version whose .dvc file points outside the repository (pushed by hand) is refused by `list`.
+    clone = tmp_path / "clone"
+    run(env, "git", "clone", "--quiet", registry, clone, cwd=tmp_path)
+    (clone / "cats.dvc").write_text("outs:\n- md5: 0123.dir\n  path: ../../../etc\n")
+    run(env, "git", "-c", "user.email=x@y", "-c", "user.name=x", "commit", "--quiet", "-am", "evil", cwd=clone)
+    run(env, "git", "tag", "cats@v9", cwd=clone)
+    run(env, "git", "push", "--quiet", "origin", "HEAD", "cats@v9", cwd=clone)
+    listed = run(env, GPUPOOL, "datasets", "list", "cats", cwd=tmp_path, ok=False)
+    assert listed.returncode == 1
+    assert "refused tag cats@v9: cats.dvc has output '../../../etc', which escapes the repository" in listed.stderr
+    assert "cats     v1" in listed.stdout and "v9" not in listed.stdout
     assert [d.name for d in team_datasets(load_policy(hub.policies), "vision", hub.state / "teams").datasets] == ["cats"]
     assert team_datasets(load_policy(hub.policies), "nlp", hub.state / "teams").datasets == ()
 
@@ -354,7 +376,7 @@ def s3_env(tmp_path_factory, s3_server):
     os.chmod(credentials, 0o600)
     policy = {**POLICY, "datasets.yaml": f"datasets:\n  storage: s3\n  s3: {{endpoint_url: '{s3_server.endpoint}', "
                                          "region: us-east-1}\n"}
-    hub = Hub(tmp, policy, f'c.LocalGPUSpawner.run_as = "self"\n'
+    hub = Hub(tmp, policy, f'c.LocalGPUSpawner.run_as = "self"\n{PATIENCE}\n'
                            f'c.LocalGPUSpawner.dataset_credentials_file = {str(credentials)!r}')
     hub.start()
     try:
