@@ -103,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_member.add_argument("--state-dir", default="state", help="state directory of the running platform")
     add_member.set_defaults(func=_team_add_member)
 
+    from gpupool.hub import datasets as datasets_command  # argparse only at import, like render
+
+    datasets = commands.add_parser("datasets", help="the team's dataset registry: init, add, list (DVC)")
+    datasets_command.add_arguments(datasets)
+
     from gpupool.hub import render as render_command  # argparse only at import; the work is imported in main
 
     render = commands.add_parser("render", help="print the Kubernetes objects gpupool owns, made from policies")

@@ -342,6 +342,66 @@ class Budget(Strict):
         return value
 
 
+#: An S3 bucket name (AWS rules: 3–63 characters, lower-case letters, digits, '.' and '-').
+S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+#: One segment of a key prefix or folder path below a team's root; `.` and `..` are refused separately.
+PATH_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def _relative_segments(value: str) -> list[str]:
+    """`a/b` below a root; refuses anything that could leave it (absolute, `..`, URLs, empty segments)."""
+    segments = value.split("/")
+    if value.startswith("/") or "://" in value or any(
+        s in ("", ".", "..") or not PATH_SEGMENT.fullmatch(s) for s in segments
+    ):
+        raise ValueError(
+            f"{value!r} is outside the team's root or not a plain path (accepted: folders below the root "
+            "such as `dvc` or `data/dvc`; letters, digits, '.', '_', '-'; no `..`, no absolute path, no URL)"
+        )
+    return segments
+
+
+def s3_root_parts(url: str) -> tuple[str, str]:
+    """`s3://bucket/prefix` → (bucket, prefix without slashes); ValueError naming what is accepted."""
+    if not url.startswith("s3://"):
+        raise ValueError(f"{url!r} is not an S3 URL (accepted: s3://bucket or s3://bucket/prefix)")
+    bucket, _, prefix = url[len("s3://"):].rstrip("/").partition("/")
+    if not S3_BUCKET.fullmatch(bucket) or ".." in bucket:
+        raise ValueError(f"{bucket!r} is not an S3 bucket name (accepted: 3–63 lower-case letters, digits, '.', '-')")
+    if prefix:
+        _relative_segments(prefix)
+    return bucket, prefix
+
+
+class TeamDatasets(Strict):
+    """Where one team's datasets live: its root (a folder or an S3 bucket/prefix) and the DVC remote in it."""
+
+    root: str | None = Field(
+        None,
+        description="With `datasets.storage: s3`: the team's bucket or prefix, `s3://bucket` or "
+        "`s3://bucket/prefix`, reachable with the team's own credentials only; default `s3://gpupool-<team>`. "
+        "With `folder` storage the root is always the team's group-private folder.",
+    )
+    remote: str = Field(
+        "dvc",
+        description="The team's DVC remote, relative to its root (e.g. `dvc`); a path leaving the root "
+        "(`..`, absolute paths, URLs) is refused.",
+    )
+
+    @field_validator("root")
+    @classmethod
+    def _root(cls, value: str | None) -> str | None:
+        if value is not None:
+            s3_root_parts(value)
+        return value
+
+    @field_validator("remote")
+    @classmethod
+    def _remote(cls, value: str) -> str:
+        _relative_segments(value)
+        return value
+
+
 class Team(Strict):
     """A tenant: a JupyterHub group with a Volcano queue, a concurrent quota and a period budget."""
 
@@ -360,6 +420,7 @@ class Team(Strict):
     queue: QueueSettings = Field(QueueSettings(), description="The team's Volcano queue.")
     quota: Quota = Field(Quota(), description="Concurrent quota: beyond it requests wait.")
     budget: Budget = Field(Budget(), description="Period budget: beyond it `on_exhausted` applies.")
+    datasets: TeamDatasets = Field(TeamDatasets(), description="Where the team's datasets live (DVC remote).")
 
     @model_validator(mode="after")
     def _membership(self) -> Team:
@@ -379,6 +440,27 @@ class Billing(Strict):
     prices: dict[str, NonNegativeDecimal] = Field(
         default_factory=dict, description="Price of one GPU-hour of each model."
     )
+
+
+class S3Storage(Strict):
+    """The S3-compatible object store holding the teams' buckets (with `storage: s3`)."""
+
+    endpoint_url: str | None = Field(
+        None, pattern=r"https?://[^\s]+",
+        description="For a store other than AWS (SeaweedFS, MinIO, Ceph), e.g. `https://s3.example.org`.",
+    )
+    region: str | None = Field(None, description="The region of the buckets, when the store needs one.")
+
+
+class Datasets(Strict):
+    """Where teams keep datasets: one DVC remote per team, known to every server of the team."""
+
+    storage: Literal["folder", "s3"] = Field(
+        "folder",
+        description="`folder`: each team's group-private folder under the spawner's `team_root` (embedded "
+        "mode); `s3`: each team's bucket or prefix (`teams.<team>.datasets.root`) with its own credentials.",
+    )
+    s3: S3Storage = Field(S3Storage(), description="The object store, with `storage: s3`.")
 
 
 class Settings(Strict):
@@ -407,6 +489,7 @@ class Policy(Strict):
     profiles: dict[str, Profile] = Field(default_factory=dict, description="What users pick, by DNS-safe slug.")
     teams: dict[str, Team] = Field(default_factory=dict, description="Teams, by DNS-safe name (≤ 32 chars).")
     billing: Billing = Field(Billing(), description="Currency, period and prices.")
+    datasets: Datasets = Field(Datasets(), description="Where the teams' datasets live (DVC remotes).")
     settings: Settings = Field(Settings(), description="Pool-wide settings.")
 
     # ---- conveniences the rest of gpupool uses ----
@@ -421,6 +504,10 @@ class Policy(Strict):
 
     def queue_timeout(self, team: str) -> int:
         return self.teams[team].queue.timeout_seconds or self.settings.queue_timeout_seconds
+
+    def dataset_s3_root(self, team: str) -> str:
+        """The team's bucket or prefix with `s3` storage, as `s3://bucket[/prefix]` without a trailing slash."""
+        return (self.teams[team].datasets.root or f"s3://gpupool-{team}").rstrip("/")
 
     def summary(self) -> str:
         return f"{len(self.models)} GPU models, {len(self.profiles)} profiles, {len(self.teams)} teams"

@@ -102,6 +102,7 @@ def check_references(policy: Policy) -> list[tuple[Path, str]]:
             )
 
     problems.extend(_queue_cycles(policy))
+    problems.extend(_dataset_roots(policy))
 
     for model in policy.billing.prices:
         unknown_model(("billing", "prices", model), model)
@@ -125,4 +126,22 @@ def _queue_cycles(policy: Policy) -> list[tuple[Path, str]]:
                 break
             chain.append(current)
             current = policy.teams[current].queue.parent
+    return problems
+
+
+def _dataset_roots(policy: Policy) -> list[tuple[Path, str]]:
+    """With S3 storage no team's root may hold another's: each team's credentials reach its root only."""
+    if policy.datasets.storage != "s3":
+        return []
+    problems: list[tuple[Path, str]] = []
+    roots = {name: policy.dataset_s3_root(name) + "/" for name in policy.teams}
+    for name, root in roots.items():
+        for other, other_root in roots.items():
+            if other != name and root.startswith(other_root) and (root != other_root or name > other):
+                problems.append(
+                    (("teams", name, "datasets", "root"),
+                     f"the dataset root {root.rstrip('/')} of team {name!r} lies inside the root of team "
+                     f"{other!r} ({other_root.rstrip('/')}); give each team its own bucket or prefix")
+                )
+                break
     return problems

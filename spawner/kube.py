@@ -25,6 +25,7 @@ from gpupool.hub.accounting.ledger import HowEnded
 from gpupool.hub.accounting.notify import admit_now
 from gpupool.policies.model import Policy, parse_quantity
 from gpupool.spawner import podgroups
+from gpupool.spawner.datasets import KUBE_POST_START, KUBE_TEAM_ROOT, kube_env
 from gpupool.spawner.mixin import Choice, GPUPoolSpawnerMixin
 from gpupool.spawner.resources import GPUResources, profile_gpu, profile_share
 from gpupool.spawner.volcano import (
@@ -61,7 +62,7 @@ HAMI_ANNOTATION_PREFIX = "hami.io/"
 CHOICE_TRAITS = (
     "extra_resource_limits", "extra_resource_guarantees", "node_selector", "tolerations", "cpu_limit",
     "cpu_guarantee", "mem_limit", "mem_guarantee", "image", "extra_labels", "extra_annotations",
-    "scheduler_name", "priority_class_name", "start_timeout",
+    "scheduler_name", "priority_class_name", "start_timeout", "lifecycle_hooks",
 )
 
 
@@ -340,6 +341,8 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         # margin covers the pod creation KubeSpawner may retry before the queue even sees the pod.
         self.start_timeout = (base["start_timeout"] + self.policy.queue_timeout(choice.team)
                               + self.k8s_api_request_retry_timeout)
+        # DVC's user-level config (the team remote) is written in the pod from GPUPOOL_DVC_CONFIG.
+        self.lifecycle_hooks = {"postStart": {"exec": {"command": KUBE_POST_START}}, **base["lifecycle_hooks"]}
 
     def get_env(self):
         env = super().get_env()
@@ -350,6 +353,7 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
             env["GPUPOOL_SHARE"] = str(profile_share(choice.profile, self.policy))
             if choice.profile.gpu is not None:
                 env["GPUPOOL_GPU_MODEL"] = choice.profile.gpu.model
+            env.update(kube_env(self.server_datasets(KUBE_TEAM_ROOT, kubernetes=True)))
         for name in FORBIDDEN_ENV:
             env.pop(name, None)
         return env

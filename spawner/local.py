@@ -26,6 +26,7 @@ from gpupool.hub.accounting.admission import AdmissionRequest, Holdings
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
 from gpupool.hub.accounting.notify import admit_now
 from gpupool.policies.model import Policy, parse_quantity
+from gpupool.spawner.datasets import ServerDatasets
 from gpupool.spawner.mixin import Choice, GPUPoolSpawnerMixin
 from gpupool.spawner.pool import (
     AllocationStore, Decide, Denied, LocalPool, QueueTimeout, Request, Verdict, discover_cards, process_alive,
@@ -129,6 +130,35 @@ def ensure_team_folder(root: Path, team: str, as_root: bool) -> Path:
     return folder
 
 
+def write_server_datasets(folder: Path, setup: ServerDatasets, owner: tuple[int, int] | None) -> dict[str, str]:
+    """Write a server's DVC config and credentials into its private `folder`; the environment pointing there.
+
+    The folder is rewritten at every start (policy or membership may have changed) and is 0700, owned by
+    the server's user: it is DVC's *global* config, outside any repository, so no `git add` can take it.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    dvc = folder / "dvc"
+    dvc.mkdir(exist_ok=True)
+    files = {dvc / "config": setup.dvc_config, folder / "gitconfig": setup.git_config}
+    env = {"DVC_GLOBAL_CONFIG_DIR": str(dvc), "GIT_CONFIG_SYSTEM": str(folder / "gitconfig")}
+    credentials = folder / "aws-credentials"
+    if setup.credentials:
+        files[credentials] = setup.credentials
+        env["AWS_SHARED_CREDENTIALS_FILE"] = str(credentials)
+    else:
+        credentials.unlink(missing_ok=True)
+    for path, text in files.items():
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "w") as out:
+            out.write(text)
+        os.chmod(path, 0o600)
+    if owner is not None:
+        for path in (folder, dvc, *files):
+            os.chown(path, *owner)
+    return env
+
+
 class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     """Runs each server as a local process holding a share of one of this machine's GPUs."""
 
@@ -222,7 +252,15 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     def make_preexec_fn(self, name):
         if self.run_as == "user":
-            return super().make_preexec_fn(name)
+            become_user = super().make_preexec_fn(name)
+
+            def preexec():
+                become_user()
+                # Group-writable by default, so that teammates can add to what one member pushed into the
+                # setgid team folder (DVC remote, registry); a home stays private: its group is the user's own.
+                os.umask(0o007)
+
+            return preexec
         home = Path(self.state_dir) / "home" / self.user.name
 
         def preexec():
@@ -256,6 +294,28 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
                 env.update(mps_env(self.state_dir, share, memory))
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""  # CPU-only: no card is visible
+        env.update(self.dataset_env())
+        return env
+
+    @property
+    def server_folder(self) -> Path:
+        """Private per-server files (DVC's global config, credentials), outside the user's repositories."""
+        return Path(self.state_dir) / "servers" / self.user.name / (f"named-{self.name}" if self.name else "default")
+
+    def dataset_env(self) -> dict[str, str]:
+        """The team remotes as DVC's user-level config, written for this server; its environment variables."""
+        owner = None
+        if self.run_as == "user":
+            account = pwd.getpwnam(self.user.name)
+            owner = (account.pw_uid, account.pw_gid)
+        parent = self.server_folder.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(parent.parent, 0o711)  # users pass through to their own folder, list nothing
+        os.chmod(parent, 0o711)
+        env = write_server_datasets(self.server_folder, self.server_datasets(self.team_root), owner)
+        # For `gpupool datasets` in the server: the same team folders and policies as the hub's.
+        env["GPUPOOL_TEAM_ROOT"] = self.team_root
+        env["GPUPOOL_POLICIES"] = self.policy_dir
         return env
 
     async def start(self):

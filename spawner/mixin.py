@@ -20,6 +20,7 @@ from traitlets.config import LoggingConfigurable
 from gpupool.policies import DEFAULT_POLICY_DIR, Policy, PolicyError, load_policy
 from gpupool.policies.loader import policy_file_paths
 from gpupool.policies.model import Profile
+from gpupool.spawner.datasets import ServerDatasets, read_credentials_file, server_datasets
 from gpupool.spawner.resources import profile_share
 from gpupool.spawner.usage import UsageLedgerMixin
 
@@ -85,6 +86,29 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
     @default("policy_dir")
     def _default_policy_dir(self):
         return os.environ.get("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR))
+
+    dataset_credentials_file = Unicode(
+        "",
+        help="""
+        Embedded mode with `datasets.storage: s3`: an AWS shared credentials file (readable by the hub only)
+        holding one profile per team, `[gpupool-vision]` with `aws_access_key_id` and
+        `aws_secret_access_key`. Each server gets a private copy with the profiles of its user's teams only,
+        outside every repository.
+
+            c.LocalGPUSpawner.dataset_credentials_file = "/etc/gpupool/datasets-credentials"
+        """,
+    ).tag(config=True)
+
+    dataset_secret_name = Unicode(
+        "gpupool-datasets-{team}",
+        help="""
+        Kubernetes mode with `datasets.storage: s3`: the Secret holding a team's S3 credentials (keys
+        `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`); `{team}` is replaced by the team. The chart makes
+        `<release>-datasets-<team>` from `datasets.credentials` and sets this.
+
+            c.GPUKubeSpawner.dataset_secret_name = "gpupool-datasets-{team}"
+        """,
+    ).tag(config=True)
 
     gpupool_choice: Choice | None = None
 
@@ -167,6 +191,24 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
     def check_user_options(self, options: dict) -> Choice:
         """A `Choice` from untrusted `options`, or an HTTP 400/403 naming what is wrong and what is accepted."""
         return check_choice(self.policy, self.user.name, self.user_teams(), options)
+
+    def server_datasets(self, team_root: str, kubernetes: bool = False) -> ServerDatasets:
+        """The DVC remotes of this server (default: the team it is charged to) and how to reach them."""
+        choice = self.gpupool_choice
+        if kubernetes:
+            return server_datasets(self.policy, self.user_teams(), choice.team, team_root,
+                                   secret_name=self.dataset_secret_name)
+        credentials = {}
+        if self.policy.datasets.storage == "s3" and not self.dataset_credentials_file:
+            self.log.warning("datasets.storage is s3 but no dataset_credentials_file is set: the team remotes "
+                             "of %s's server will have no credentials", self.user.name)
+        if self.dataset_credentials_file and self.policy.datasets.storage == "s3":
+            credentials = read_credentials_file(Path(self.dataset_credentials_file).read_text())
+            missing = [t for t in self.user_teams() if t not in credentials]
+            if missing:
+                self.log.warning("%s has no profile for team(s) %s: their S3 remotes will refuse access",
+                                 self.dataset_credentials_file, ", ".join(missing))
+        return server_datasets(self.policy, self.user_teams(), choice.team, team_root, credentials=credentials)
 
     def apply_choice(self, choice: Choice) -> None:
         """Set the spawner's traits from a checked choice (subclasses add what their backend needs)."""

@@ -66,6 +66,11 @@ class Release:
         return f"{self.name}-policies"
 
     @property
+    def dataset_secret_pattern(self) -> str:
+        """The Secret of each team's S3 keys (helm/gpupool/templates/datasets-secrets.yaml), `{team}` left open."""
+        return f"{self.name}-datasets-{{team}}"
+
+    @property
     def accounting_service(self) -> str:
         """The Kubernetes Service of the accounting Deployment (helm/gpupool/templates/accounting.yaml)."""
         return f"{self.name}-accounting"
@@ -302,6 +307,9 @@ def jupyterhub_values(policy: Policy, release: Release) -> dict[str, Any]:
     # A notebook holds no Kubernetes credentials: KubeSpawner would mount a token whenever a service
     # account is set, and z2jh has no singleuser key for this trait.
     config["KubeSpawner"] = {"automount_service_account_token": False}
+    if policy.datasets.storage == "s3":
+        # The chart's per-team Secrets (templates/datasets-secrets.yaml) hold the S3 keys of the team remotes.
+        config["GPUKubeSpawner"] = {"dataset_secret_name": release.dataset_secret_pattern}
     return {
         "hub": {
             "config": config,

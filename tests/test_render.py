@@ -279,6 +279,7 @@ def test_teams_from_the_authenticator_hand_groups_to_it_and_say_what_is_lost():
     ("JupyterHub", "jupyterhub.app", "JupyterHub"),
     ("Authenticator", "jupyterhub.auth", "Authenticator"),
     ("KubeSpawner", "kubespawner", "KubeSpawner"),
+    ("GPUKubeSpawner", "gpupool.spawner.kube", "GPUKubeSpawner"),
 ])
 def test_hub_config_sets_only_real_configurable_traits(section, module, name):
     """Each hub.config entry is a trait of the class it names; a misspelled one would be ignored by the hub."""
@@ -286,7 +287,7 @@ def test_hub_config_sets_only_real_configurable_traits(section, module, name):
     seen = False
     for policies in (DEFAULT_POLICY_DIR, EXAMPLES_DIR):
         config = volcano.jupyterhub_values(load_policy(policies), volcano.Release())["hub"]["config"]
-        assert set(config) <= {"JupyterHub", "Authenticator", "KubeSpawner"}
+        assert set(config) <= {"JupyterHub", "Authenticator", "KubeSpawner", "GPUKubeSpawner"}
         traits = config.get(section, {})
         seen = seen or bool(traits)
         assert set(traits) <= set(configurable), f"{section}: {set(traits) - set(configurable)}"
