@@ -531,6 +531,13 @@ class Ledger:
             row = connection.execute(sa.select(INTERVALS).where(INTERVALS.c.key == key)).first()
         return None if row is None else _interval(row)
 
+    def run_intervals(self, run: str) -> list[Interval]:
+        """The intervals of server run `run`, in order (more than one when it was continued after a crash)."""
+        c = INTERVALS.c
+        with self.engine.connect() as connection:
+            return [_interval(row) for row in connection.execute(
+                sa.select(INTERVALS).where(c.run == run).order_by(c.start_at, c.id))]
+
     def open_intervals(self, team: str | None = None) -> list[Interval]:
         query = sa.select(INTERVALS).where(INTERVALS.c.end_at.is_(None)).order_by(INTERVALS.c.start_at,
                                                                                    INTERVALS.c.key)
