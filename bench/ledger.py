@@ -96,8 +96,10 @@ def load(ledger: Ledger, rows: Iterator[tuple], batch: int = 50_000) -> None:
                     chunk = []
             if chunk:
                 connection.exec_driver_sql(statement, chunk)
-    with ledger.engine.begin() as connection:
-        connection.exec_driver_sql("ANALYZE")
+    # VACUUM as autovacuum does after a bulk insert (PostgreSQL ≥ 13): it also marks the pages all-visible,
+    # which lets bills read the covering index alone. SQLite: ANALYZE only.
+    with ledger.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+        connection.exec_driver_sql("VACUUM ANALYZE" if ledger.dialect == "postgresql" else "ANALYZE")
 
 
 PLAIN = sa.text("SELECT team, model, profile, SUM(end_at - start_at), COUNT(*) FROM accounting_intervals "
@@ -163,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ledger: {ledger.dialect}, {args.intervals:,} intervals, {args.users:,} users, {args.teams} teams, "
           f"period {PERIOD}")
     print(f"{'step':<52} {'seconds':>10}")
-    print(f"{'bulk load (+ ANALYZE)':<52} {load_s:>10.2f}")
+    print(f"{'bulk load (+ VACUUM ANALYZE / ANALYZE)':<52} {load_s:>10.2f}")
     print(f"{'plain GROUP BY team, model, profile (median)':<52} {plain:>10.3f}")
     print(f"{'every team bill: ' + str(len(bills)) + ' bills (median)':<52} {bill:>10.3f}")
     print(f"{'ratio bills / plain GROUP BY (target <= 2)':<52} {bill / plain:>10.2f}")

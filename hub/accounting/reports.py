@@ -13,6 +13,7 @@ from fractions import Fraction
 
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import format_hours
+from gpupool.hub.accounting.bills import amount, unit_price
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.policies.model import Policy
 from gpupool.spawner.pool import discover_cards
@@ -70,6 +71,28 @@ def top_consumers(ledger: Ledger, period: str, limit: int, team: str | None = No
     sums = ledger.gpu_hours(period, ("team", "user"), team=team)
     ranked = sorted(sums.items(), key=lambda item: (-item[1], item[0]))[:limit]
     return [{"team": t, "user": u, "gpu_hours": format_hours(hours)} for (t, u), hours in ranked]
+
+
+def running_servers(ledger: Ledger, policy: Policy, user: str, now: datetime | None = None) -> list[dict[str, str]]:
+    """`user`'s running servers: share, since when, GPU-hours and cost so far, over the whole run.
+
+    A run continued after a crash is several intervals; the user sees one server since its start.
+    """
+    now = now or periods.utcnow()
+    running = []
+    for interval in ledger.open_intervals():
+        if interval.user != user:
+            continue
+        pieces = ledger.run_intervals(interval.run) if interval.run else [interval]
+        seconds = sum(int(((p.end or max(now, p.start)) - p.start).total_seconds()) for p in pieces)
+        hours = periods.gpu_hours(interval.share, seconds)
+        price = Fraction(unit_price(policy, interval.model)) if interval.model in policy.billing.prices else Fraction(0)
+        running.append({
+            "key": interval.run or interval.key, "team": interval.team, "profile": interval.profile,
+            "model": interval.model, "share": str(interval.share), "since": pieces[0].start.isoformat(),
+            "gpu_hours": format_hours(hours), "cost": str(amount(hours, price)),
+        })
+    return running
 
 
 def team_daily(ledger: Ledger, team: str, period: str, now: datetime | None = None) -> list[dict[str, str]]:

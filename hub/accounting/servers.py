@@ -6,7 +6,6 @@ starts a server and this service that only reads the hub compute alike.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -20,8 +19,6 @@ from gpupool.hub.accounting.ledger import Ledger, RunResult, run_key
 from gpupool.policies.model import Policy
 from gpupool.spawner.mixin import check_choice, teams_of
 from gpupool.spawner.resources import profile_share
-
-log = logging.getLogger("gpupool.accounting")
 
 #: Users per page asked of the hub (JupyterHub's default maximum page size is 200).
 PAGE = 200

@@ -15,7 +15,6 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 from urllib.parse import urlparse
@@ -28,10 +27,11 @@ from tornado import ioloop, web
 
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import format_hours, reached_alerts
-from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill, unit_price
+from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.reports import (
-    MAX_TOP, bar_chart, capacity_of, column_chart, daily_utilisation, queue_waits, team_daily, top_consumers,
+    MAX_TOP, bar_chart, capacity_of, column_chart, daily_utilisation, queue_waits, running_servers, team_daily,
+    top_consumers,
 )
 from gpupool.hub.accounting.servers import HubClient, reconcile_with_hub
 from gpupool.policies import DEFAULT_POLICY_DIR
@@ -160,17 +160,7 @@ class MeHandler(AccountingHandler):
         viewer = self.viewer()
         policy, now = self.policy, periods.utcnow()
         period = self.period_argument()
-        running = []
-        for interval in self.ledger.open_intervals():
-            if interval.user != viewer.name:
-                continue
-            hours = Fraction(interval.share) * Fraction(int((now - interval.start).total_seconds()), 3600)
-            price = unit_price(policy, interval.model) if interval.model in policy.billing.prices else Decimal(0)
-            running.append({
-                "key": interval.key, "team": interval.team, "profile": interval.profile, "model": interval.model,
-                "share": str(interval.share), "since": interval.start.isoformat(), "gpu_hours": _hours(hours),
-                "cost": str((Decimal(hours.numerator) / Decimal(hours.denominator) * price).quantize(Decimal("0.01"))),
-            })
+        running = running_servers(self.ledger, policy, viewer.name, now)
         mine = self.ledger.gpu_hours(period, ("user",)).get((viewer.name,), Fraction(0))
         self.write_json({
             "user": viewer.name, "admin": viewer.admin, "period": period, "gpu_hours": _hours(mine),

@@ -14,6 +14,7 @@ import pytest
 
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import INTERVALS, CloseResult, HowEnded, Ledger, RunResult, _interval, run_key
+from gpupool.hub.accounting.reports import running_servers
 from gpupool.hub.accounting.servers import HubServer, reconcile, servers_of, user_groups
 
 Q = Fraction(1, 4)
@@ -188,3 +189,15 @@ def test_a_run_across_a_month_boundary_during_a_restart(ledger, policy, monkeypa
     november = ledger.gpu_hours("2026-11", ("user",))[("alice",)]
     december = ledger.gpu_hours("2026-12", ("user",))[("alice",)]
     assert (november, december) == (Q * Fraction(10, 60), Q * Fraction(30, 60))
+
+
+def test_a_continued_run_is_one_running_server_for_its_user(ledger, policy):
+    alice = server("alice", t(2026, 11, 3, 10))
+    reconcile(ledger, policy, [alice], GROUPS, t(2026, 11, 3, 10))
+    reconcile(ledger, policy, [alice], GROUPS, t(2026, 11, 3, 11))
+    ledger.reconcile(timedelta(minutes=5), now=t(2026, 11, 3, 12))  # unseen while the hub was down
+    reconcile(ledger, policy, [alice], GROUPS, t(2026, 11, 3, 12))  # continued from 11:00
+    (running,) = running_servers(ledger, policy, "alice", now=t(2026, 11, 3, 13))
+    assert running["key"] == alice.run and running["since"] == t(2026, 11, 3, 10).isoformat()
+    assert running["gpu_hours"] == "0.75"  # 3 h × 0.25, across both intervals
+    assert running["cost"] == "2.40"  # × 3.20 EUR, rounded half up like the bills
