@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import requests
 import yaml
 from configobj import ConfigObj
 
@@ -361,6 +362,26 @@ def test_folder_registry(folder_env, tmp_path):
     assert "cats     v1" in listed.stdout and "v9" not in listed.stdout
     assert [d.name for d in team_datasets(load_policy(hub.policies), "vision", hub.state / "teams").datasets] == ["cats"]
     assert team_datasets(load_policy(hub.policies), "nlp", hub.state / "teams").datasets == ()
+
+    # The hub's Datasets tab (the accounting service) shows the same to members, and nothing to others.
+    hub.add_user("nora", "nlp")
+
+    def get(user: str, path: str) -> requests.Response:
+        token = hub.api("POST", f"/users/{user}/tokens", json={"note": "datasets"}).json()["token"]
+        return requests.get(f"{hub.url}/services/accounting/{path}", headers={"Authorization": f"token {token}"},
+                            timeout=60)
+
+    shown = get("alice", "api/teams/vision/datasets")
+    assert shown.status_code == 200, shown.text
+    assert [(d["name"], [v["version"] for v in d["versions"]]) for d in shown.json()["datasets"]] == [
+        ("cats", ["v1", "v2"])]
+    assert shown.json()["registry"] == str(registry)
+    assert any("cats@v9" in problem for problem in shown.json()["problems"])
+    assert get("nora", "api/teams/vision/datasets").status_code == 404
+    page = get("alice", "datasets")
+    assert page.status_code == 200 and "Team vision" in page.text and "Team nlp" in page.text
+    assert "<td>cats</td><td>v2</td>" in page.text and f"dvc import {registry} cats --rev cats@v2" in page.text
+    assert "Team vision" not in get("nora", "datasets").text
 
 
 @pytest.fixture(scope="module")

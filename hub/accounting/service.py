@@ -34,6 +34,7 @@ from gpupool.hub.accounting.reports import (
     top_consumers,
 )
 from gpupool.hub.accounting.servers import HubClient, reconcile_with_hub
+from gpupool.hub.datasets import DatasetError, human_size, team_datasets, team_registry
 from gpupool.policies import DEFAULT_POLICY_DIR
 from gpupool.spawner.mixin import current_policy
 
@@ -325,6 +326,54 @@ class TeamPageHandler(AccountingHandler):
                           f"<a href='../api/teams/{html.escape(team)}/bill?format=html&amp;period={period}'>bill</a></p>")
 
 
+class TeamDatasetsHandler(AccountingHandler):
+    """A team's datasets and their versions (members and admins), from the team's registry."""
+
+    @web.authenticated
+    async def get(self, team: str):
+        team = self.team_or_404(team)
+        self.write_json(await datasets_of(self.policy, team, self.settings["team_root"]))
+
+
+async def datasets_of(policy, team: str, team_root: str) -> dict:
+    """What the Datasets tab shows of `team`: its registry, datasets and versions (git reads, in a thread)."""
+    try:
+        registry = team_registry(policy, team, team_root)
+        listing = await asyncio.to_thread(team_datasets, policy, team, team_root)
+    except DatasetError as error:  # e.g. a registry the service cannot read: say so, don't fail the page
+        return {"team": team, "registry": None, "datasets": [], "problems": [str(error)]}
+    return {"team": team, "registry": str(registry.path) if registry.exists() else None, **listing.as_json()}
+
+
+class DatasetsPageHandler(AccountingHandler):
+    """The Datasets tab: each of my teams' datasets, their versions, and how to get one."""
+
+    @web.authenticated
+    async def get(self):
+        viewer, policy = self.viewer(), self.policy
+        teams = sorted(policy.teams) if viewer.admin else sorted(viewer.teams | viewer.leads)
+        sections = []
+        for team in teams:
+            found = await datasets_of(policy, team, self.settings["team_root"])
+            title = f"<h2>Team {html.escape(team)}</h2>"
+            if found["registry"] is None:
+                sections.append(title + "<p>No dataset registry yet: a member creates it with "
+                                f"<code>gpupool datasets init --team {html.escape(team)}</code>.</p>"
+                                + "".join(f"<p>{html.escape(p)}</p>" for p in found["problems"]))
+                continue
+            rows = [[d["name"], v["version"], human_size(v["size"]), "?" if v["files"] is None else v["files"],
+                     v["date"], v["commit"][:10]] for d in found["datasets"] for v in d["versions"]]
+            example = next(((d["name"], d["versions"][-1]["rev"]) for d in found["datasets"] if d["versions"]), None)
+            how = (f"<p>Get a version: <code>dvc import {html.escape(found['registry'])} {html.escape(example[0])} "
+                   f"--rev {html.escape(example[1])}</code> (or <code>dvc get</code>)</p>" if example else "")
+            sections.append(title + f"<p>Registry: <code>{html.escape(found['registry'])}</code></p>"
+                            + (_table(["dataset", "version", "size", "files", "date", "commit"], rows) if rows
+                               else "<p>No dataset yet: <code>gpupool datasets add NAME FOLDER --version v1</code></p>")
+                            + how + "".join(f"<p>⚠ {html.escape(p)}</p>" for p in found["problems"]))
+        self.write_page("gpupool: datasets", TABS + "".join(f"<section>{s}</section>" for s in sections)
+                        + "<p><a href='api/teams/TEAM/datasets'>as JSON</a>: api/teams/&lt;team&gt;/datasets</p>")
+
+
 class MetricsHandler(AccountingHandler):
     """Prometheus metrics (admins' tokens, or the hub's Prometheus scraping with an admin token)."""
 
@@ -373,6 +422,10 @@ class _Collector:
         yield errors
 
 
+#: The tabs of the user pages.
+TABS = "<nav><a href='./'>Usage</a> · <a href='datasets'>Datasets</a></nav>"
+
+
 class PageHandler(AccountingHandler):
     """The hub page: my running servers and their cost, my teams' budgets (charts), members for leads."""
 
@@ -395,7 +448,7 @@ class PageHandler(AccountingHandler):
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.finish(
             "<!doctype html><html><head><meta charset='utf-8'><title>gpupool usage</title></head><body>"
-            f"<h1>GPU usage of {html.escape(viewer.name)}, {html.escape(period)}</h1>"
+            f"{TABS}<h1>GPU usage of {html.escape(viewer.name)}, {html.escape(period)}</h1>"
             + "".join(f"<section>{s}</section>" for s in sections)
             + "".join(f"<p><a href='teams/{html.escape(t)}'>Team {html.escape(t)}: members and days</a></p>"
                       for t in sorted(viewer.leads))
@@ -431,6 +484,9 @@ OPENAPI = {
                            "parameters": [PERIOD, TOP]}},
         "/teams/{team}": {"get": {"summary": "Team leads and admins: the team page with charts (HTML, inline SVG)",
                                   "parameters": [PERIOD, TOP]}},
+        "/api/teams/{team}/datasets": {"get": {
+            "summary": "A team's datasets and their versions from its DVC registry (members and admins)"}},
+        "/datasets": {"get": {"summary": "The Datasets tab: my teams' datasets and versions (HTML)"}},
         "/metrics": {"get": {"summary": "Prometheus metrics (admins)"}},
     },
 }
@@ -442,7 +498,7 @@ class OpenAPIHandler(web.RequestHandler):
         self.finish(json.dumps(OPENAPI))
 
 
-def make_app(ledger: Ledger, policy_dir: str, prefix: str) -> web.Application:
+def make_app(ledger: Ledger, policy_dir: str, prefix: str, team_root: str = "teams") -> web.Application:
     return web.Application(
         [
             (prefix, PageHandler),
@@ -451,6 +507,8 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str) -> web.Application:
             (prefix + r"api/teams/([^/]+)", TeamHandler),
             (prefix + r"api/teams/([^/]+)/bill", BillHandler),
             (prefix + r"api/teams/([^/]+)/report", TeamReportHandler),
+            (prefix + r"api/teams/([^/]+)/datasets", TeamDatasetsHandler),
+            (prefix + "datasets", DatasetsPageHandler),
             (prefix + "api/admin/report", AdminReportHandler),
             (prefix + "admin", AdminPageHandler),
             (prefix + r"teams/([^/]+)", TeamPageHandler),
@@ -458,7 +516,7 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str) -> web.Application:
             (prefix + "openapi.json", OpenAPIHandler),
             (prefix + "oauth_callback", HubOAuthCallbackHandler),
         ],
-        ledger=ledger, policy_dir=policy_dir, cookie_secret=os.urandom(32),
+        ledger=ledger, policy_dir=policy_dir, team_root=team_root, cookie_secret=os.urandom(32),
         max_body_size=MAX_BODY_BYTES,
     )
 
@@ -503,7 +561,9 @@ def main() -> None:
     state = Path(os.environ.get("GPUPOOL_STATE_DIR", "state"))
     ledger = Ledger(os.environ.get("GPUPOOL_LEDGER_URL", f"sqlite:///{state / 'ledger.sqlite'}"))
     prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/accounting/")
-    app = make_app(ledger, os.environ.get("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR)), prefix)
+    # The team folders (and their dataset registries): LocalGPUSpawner.team_root's default, or as configured.
+    team_root = os.environ.get("GPUPOOL_TEAM_ROOT", str(state / "teams"))
+    app = make_app(ledger, os.environ.get("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR)), prefix, team_root)
     url = os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:8003")
     # Listen where the hub says the service is: 127.0.0.1 on one machine, 0.0.0.0 in a pod.
     parsed = urlparse(url)
