@@ -70,7 +70,7 @@ class Hub:
         self.state = tmp / "state"
         (self.state / "jupyterhub_config.d").mkdir(parents=True)
         (self.state / "jupyterhub_config.d" / "harness.py").write_text(service_config(self.token, extra_config))
-        self.port = free_port_block(4)
+        self.port = free_port_block(5)
         self.ledger_url = ledger_url or f"sqlite:///{self.state / 'ledger.sqlite'}"
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from gpupool.hub.wiring import ACCOUNTING_SERVICE, accounting_roles, team_groups
+from gpupool.hub.wiring import ACCOUNTING_SERVICE, service_roles, team_groups
 from gpupool.policies.model import DNS_LABEL, Policy
 
 QUEUE_API_VERSION = "scheduling.volcano.sh/v1beta1"
@@ -308,7 +308,7 @@ def jupyterhub_values(policy: Policy, release: Release) -> dict[str, Any]:
             },
             # The same roles as the embedded mode's (hub/config.py): the service gets exactly the scopes it
             # declares, and every user may open its pages, where the service decides what each one sees.
-            "loadRoles": accounting_roles(),
+            "loadRoles": service_roles(),
         },
         # Volcano places user pods; z2jh's user scheduler, its placeholders and its own PriorityClasses
         # would compete with the team queues and priorities.
