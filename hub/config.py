@@ -26,6 +26,7 @@ class Settings:
     admin: str = "admin"
     authenticator: str = "native"
     ledger_url: str = ""
+    mlflow_backend_url: str = ""
     extra_services: list[dict] = field(default_factory=list)
 
     @property
@@ -64,11 +65,14 @@ class Settings:
             admin=env.get("GPUPOOL_ADMIN", "admin"),
             authenticator=env.get("GPUPOOL_AUTHENTICATOR", "native"),
             ledger_url=env.get("GPUPOOL_LEDGER_URL", ""),
+            mlflow_backend_url=env.get("GPUPOOL_MLFLOW_BACKEND_URL", ""),
         )
 
     def __post_init__(self):
         if not self.ledger_url:
             object.__setattr__(self, "ledger_url", f"sqlite:///{self.state_dir / 'ledger.sqlite'}")
+        if not self.mlflow_backend_url:
+            object.__setattr__(self, "mlflow_backend_url", f"sqlite:///{self.state_dir / 'mlflow.sqlite'}")
 
 
 def proxy_command() -> list[str]:
@@ -94,14 +98,15 @@ def mlflow_service(settings: Settings) -> dict:
         "url": f"http://127.0.0.1:{settings.mlflow_port}",
         "command": [
             str(mlflow), "server", "--app-name", "gpupool",
-            "--backend-store-uri", f"sqlite:///{state / 'mlflow.sqlite'}",
+            "--backend-store-uri", settings.mlflow_backend_url,
             "--serve-artifacts", "--artifacts-destination", str(state / "mlflow-artifacts"),
             "--host", "127.0.0.1", "--port", str(settings.mlflow_port),
             "--static-prefix", f"/services/{MLFLOW_SERVICE}",
             # The proxy forwards the hub's public Host; the hub login in front of every route is what protects
             # the server (a rebound DNS name carries no hub cookie or token).
             "--allowed-hosts", "*",
-            "--workers", "2",
+            # One worker: the embedded mode shares its few cores with the hub and the servers.
+            "--workers", "1",
         ],
         "environment": {"GPUPOOL_POLICIES": str(settings.policy_dir), "GPUPOOL_LEDGER_URL": settings.ledger_url},
         "oauth_no_confirm": True,
