@@ -109,6 +109,9 @@ def mlflow_service(settings: Settings) -> dict:
             "--workers", "1",
         ],
         "environment": {"GPUPOOL_POLICIES": str(settings.policy_dir), "GPUPOOL_LEDGER_URL": settings.ledger_url},
+        # The hub gives up (and exits) when a managed service does not answer in time; MLflow's first start
+        # creates its database and imports a lot, which takes a minute on a busy small machine.
+        "timeout": 180,
         "oauth_no_confirm": True,
         "display": True,
     }

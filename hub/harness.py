@@ -90,7 +90,7 @@ class Hub:
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         # The hub answers once its managed services are up (MLflow takes a while on a busy machine).
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log.read_text()[-3000:]
             try:
