@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from gpupool.hub.wiring import ACCOUNTING_SERVICE, service_roles, team_groups
+from gpupool.hub.wiring import ACCOUNTING_SERVICE, MLFLOW_SERVICE, service_roles, team_groups
 from gpupool.policies.model import DNS_LABEL, Policy
 
 QUEUE_API_VERSION = "scheduling.volcano.sh/v1beta1"
@@ -33,6 +33,10 @@ POLICY_VOLUME = "gpupool-policies"
 #: The port of the accounting service's Deployment (helm/gpupool/templates/accounting.yaml); its name and
 #: roles are the embedded mode's (gpupool.hub.wiring).
 ACCOUNTING_PORT = 8080
+#: The port of the MLflow Service (helm/gpupool values `mlflow.port`).
+MLFLOW_PORT = 5000
+#: Where user pods reach MLflow: through z2jh's proxy Service, behind the hub login.
+MLFLOW_URL = f"http://proxy-public/services/{MLFLOW_SERVICE}/"
 
 DEVICE_PLUGIN_CONFIG_LABEL = "nvidia.com/device-plugin.config"
 DEFAULT_DEVICE_PLUGIN_NAMESPACE = "gpu-operator"
@@ -64,6 +68,11 @@ class Release:
     @property
     def policies_configmap(self) -> str:
         return f"{self.name}-policies"
+
+    @property
+    def mlflow_service(self) -> str:
+        """The Kubernetes Service of the MLflow Deployment (helm/gpupool/templates/mlflow.yaml)."""
+        return f"{self.name}-mlflow"
 
     @property
     def accounting_service(self) -> str:
@@ -293,6 +302,7 @@ def jupyterhub_values(policy: Policy, release: Release) -> dict[str, Any]:
     # A notebook holds no Kubernetes credentials: KubeSpawner would mount a token whenever a service
     # account is set, and z2jh has no singleuser key for this trait.
     config["KubeSpawner"] = {"automount_service_account_token": False}
+    config["GPUKubeSpawner"] = {"mlflow_url": MLFLOW_URL}
     return {
         "hub": {
             "config": config,
@@ -302,6 +312,11 @@ def jupyterhub_values(policy: Policy, release: Release) -> dict[str, Any]:
             "services": {
                 ACCOUNTING_SERVICE: {
                     "url": f"http://{release.accounting_service}:{ACCOUNTING_PORT}",
+                    "oauth_no_confirm": True,
+                    "display": True,
+                },
+                MLFLOW_SERVICE: {
+                    "url": f"http://{release.mlflow_service}:{MLFLOW_PORT}",
                     "oauth_no_confirm": True,
                     "display": True,
                 },

@@ -233,6 +233,7 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
                     },
                 },
                 "KubeSpawner": {"automount_service_account_token": False},
+                "GPUKubeSpawner": {"mlflow_url": "http://proxy-public/services/mlflow/"},
             },
             "extraEnv": {"GPUPOOL_POLICIES": "/etc/gpupool/policies"},
             "extraVolumes": [{"name": "gpupool-policies", "configMap": {"name": "gpupool-policies"}}],
@@ -241,6 +242,7 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
             ],
             "services": {
                 "accounting": {"url": "http://gpupool-accounting:8080", "oauth_no_confirm": True, "display": True},
+                "mlflow": {"url": "http://gpupool-mlflow:5000", "oauth_no_confirm": True, "display": True},
             },
             "loadRoles": {
                 "gpupool-accounting": {
@@ -248,7 +250,12 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
                     "scopes": ["list:groups", "read:groups"],
                     "services": ["accounting"],
                 },
-                "user": {"scopes": ["self", "access:services!service=accounting"]},
+                "gpupool-mlflow": {
+                    "description": "the MLflow tracking server and model registry: no hub scopes",
+                    "scopes": [],
+                    "services": ["mlflow"],
+                },
+                "user": {"scopes": ["self", "access:services!service=accounting", "access:services!service=mlflow"]},
             },
         },
         "scheduling": {
@@ -275,6 +282,7 @@ def test_teams_from_the_authenticator_hand_groups_to_it_and_say_what_is_lost():
     ("JupyterHub", "jupyterhub.app", "JupyterHub"),
     ("Authenticator", "jupyterhub.auth", "Authenticator"),
     ("KubeSpawner", "kubespawner", "KubeSpawner"),
+    ("GPUKubeSpawner", "gpupool.spawner.kube", "GPUKubeSpawner"),
 ])
 def test_hub_config_sets_only_real_configurable_traits(section, module, name):
     """Each hub.config entry is a trait of the class it names; a misspelled one would be ignored by the hub."""
@@ -282,7 +290,7 @@ def test_hub_config_sets_only_real_configurable_traits(section, module, name):
     seen = False
     for policies in (DEFAULT_POLICY_DIR, EXAMPLES_DIR):
         config = volcano.jupyterhub_values(load_policy(policies), volcano.Release())["hub"]["config"]
-        assert set(config) <= {"JupyterHub", "Authenticator", "KubeSpawner"}
+        assert set(config) <= {"JupyterHub", "Authenticator", "KubeSpawner", "GPUKubeSpawner"}
         traits = config.get(section, {})
         seen = seen or bool(traits)
         assert set(traits) <= set(configurable), f"{section}: {set(traits) - set(configurable)}"
