@@ -258,6 +258,8 @@ class Gate:
             decision.filter = lambda body: self.filter_one(viewer, body)
         elif kind == "experiment":
             self.need(viewer, s.experiment_team(_id_of(params, "experiment_id")), "such experiment")
+            if params.get("new_name") is not None:  # a rename may not take another team's name either
+                team_for_new(viewer, params["new_name"], None, list(self.policy.teams))
             if action == "write-tag":
                 self.reserved_key(viewer, params.get("key"))
         elif rule == "experiments:read":

@@ -126,6 +126,9 @@ def test_a_notebook_logs_runs_and_registers_models_with_its_servers_environment(
     tags = notebook["tags"]
     assert tags["gpupool.user"] == "alice" and tags["gpupool.team"] == "vision"
     assert tags["gpupool.profile"] == "h200-quarter" and tags["gpupool.share"] == "1/4"
+    # When the run ended, the server priced alice's quarter H200 over the run's seconds.
+    assert Fraction(tags["gpupool.gpu_hours"]) > 0 and tags["gpupool.currency"] == "EUR"
+    assert "gpupool.cost" in tags
     run = call(hub, "alice", "GET", API + "runs/get", params={"run_id": notebook["run_id"]}).json()["run"]
     assert {m["key"]: m["value"] for m in run["data"]["metrics"]} == {"accuracy": 0.95}
     assert run["info"]["artifact_uri"].startswith("mlflow-artifacts:/vision/")
@@ -304,6 +307,11 @@ def test_bad_requests_get_4xx_never_500(hub):
     # A name that is another team's is not free to take (it would be that team's default experiment).
     squat = call(hub, "nadia", "POST", API + "experiments/create", json={"name": "vision/mine"})
     assert squat.status_code == 403
+    nlp = call(hub, "nadia", "POST", API + "experiments/create", json={"name": "nlp/renamed-later"})
+    assert nlp.status_code == 200, nlp.text
+    renamed = call(hub, "nadia", "POST", API + "experiments/update",
+                   json={"experiment_id": nlp.json()["experiment_id"], "new_name": "vision/taken"})
+    assert renamed.status_code == 403
     forged = call(hub, "nadia", "POST", API + "experiments/create",
                   json={"name": "x", "tags": [{"key": "gpupool.team", "value": "vision"}]})
     assert forged.status_code == 403
