@@ -57,7 +57,7 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
-def _millis(moment: datetime) -> str:
+def _iso(moment: datetime) -> str:
     return moment.isoformat(timespec="seconds")
 
 
@@ -401,7 +401,7 @@ class Gate:
                 if not isinstance(field, FieldNode):
                     raise Refused(403, "only GraphQL queries without fragments are accepted")
                 name = field.name.value
-                if name == "__typename" or (name in ("__schema", "__type")):
+                if name in ("__typename", "__schema", "__type"):  # the schema is no team's secret
                     continue
                 if name not in GRAPHQL_FIELDS:
                     raise Refused(403, f"GraphQL field {name!r} is not available (accepted: "
@@ -451,7 +451,7 @@ class Gate:
 
     def record_alias(self, viewer: Viewer, name: str, alias: str, version: str | None, previous: str | None):
         """Alias history as model-version tags, shown on the version's page in the MLflow UI."""
-        now = _millis(utcnow())
+        now = _iso(utcnow())
         if version is not None:
             self.stores.set_version_tags(name, version, {
                 f"gpupool.alias.{alias}.set_by": viewer.name,
