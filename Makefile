@@ -23,12 +23,15 @@ node_modules/.bin/configurable-http-proxy: package.json
 	@touch $@
 
 # Debian packages the platform and the tests use (PostgreSQL for the production database tests,
-# Node.js for configurable-http-proxy, git for the dataset registries). Installed only when missing, and only when we can.
+# Node.js for configurable-http-proxy, git for the dataset registries, headless Chromium and its driver for the
+# browser tests). Installed only when missing, and only when we can.
 system-packages:
 	@missing=""; \
 	command -v initdb >/dev/null || test -x /usr/lib/postgresql/15/bin/initdb || missing="$$missing postgresql"; \
 	command -v npm >/dev/null || missing="$$missing nodejs npm"; \
 	command -v git >/dev/null || missing="$$missing git"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing:$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \

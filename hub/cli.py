@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ledger-url",
                     help="usage ledger database (default: sqlite in the state folder; "
                          "production: postgresql+psycopg://USER@HOST/DB)")
+    up.add_argument("--mlflow-backend-url",
+                    help="MLflow's runs and model registry database (default: sqlite in the state folder; "
+                         "production: postgresql+psycopg://USER@HOST/DB)")
     up.set_defaults(func=_up)
 
     bill = commands.add_parser("bill", help="a team's bill for one month, from the usage ledger")

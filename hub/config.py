@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpupool.hub.wiring import ACCOUNTING_SERVICE, accounting_roles, team_groups
+from gpupool.hub.wiring import ACCOUNTING_SERVICE, MLFLOW_SERVICE, service_roles, team_groups
 from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -26,6 +26,7 @@ class Settings:
     admin: str = "admin"
     authenticator: str = "native"
     ledger_url: str = ""
+    mlflow_backend_url: str = ""
     extra_services: list[dict] = field(default_factory=list)
 
     @property
@@ -39,6 +40,15 @@ class Settings:
     @property
     def accounting_port(self) -> int:
         return self.port + 3
+
+    @property
+    def mlflow_port(self) -> int:
+        return self.port + 4
+
+    @property
+    def mlflow_url(self) -> str:
+        """Where users reach MLflow: through the hub's proxy, behind the hub login."""
+        return f"{self.url}services/{MLFLOW_SERVICE}/"
 
     @property
     def url(self) -> str:
@@ -55,11 +65,14 @@ class Settings:
             admin=env.get("GPUPOOL_ADMIN", "admin"),
             authenticator=env.get("GPUPOOL_AUTHENTICATOR", "native"),
             ledger_url=env.get("GPUPOOL_LEDGER_URL", ""),
+            mlflow_backend_url=env.get("GPUPOOL_MLFLOW_BACKEND_URL", ""),
         )
 
     def __post_init__(self):
         if not self.ledger_url:
             object.__setattr__(self, "ledger_url", f"sqlite:///{self.state_dir / 'ledger.sqlite'}")
+        if not self.mlflow_backend_url:
+            object.__setattr__(self, "mlflow_backend_url", f"sqlite:///{self.state_dir / 'mlflow.sqlite'}")
 
 
 def proxy_command() -> list[str]:
@@ -70,6 +83,38 @@ def proxy_command() -> list[str]:
     if found:
         return [found]
     raise RuntimeError("configurable-http-proxy is not installed: run `make up` (npm install into the repository)")
+
+
+def mlflow_service(settings: Settings) -> dict:
+    """The hub-managed `mlflow server` of the embedded mode: SQLite runs and models, artifacts in the state folder.
+
+    Artifacts go through the server (`--serve-artifacts`), so clients never hold storage credentials; the
+    `gpupool` app (mlflow/auth.py) puts the hub login and the team permissions in front of everything.
+    """
+    state = settings.state_dir
+    mlflow = Path(sys.executable).parent / "mlflow"
+    return {
+        "name": MLFLOW_SERVICE,
+        "url": f"http://127.0.0.1:{settings.mlflow_port}",
+        "command": [
+            str(mlflow), "server", "--app-name", "gpupool",
+            "--backend-store-uri", settings.mlflow_backend_url,
+            "--serve-artifacts", "--artifacts-destination", str(state / "mlflow-artifacts"),
+            "--host", "127.0.0.1", "--port", str(settings.mlflow_port),
+            "--static-prefix", f"/services/{MLFLOW_SERVICE}",
+            # The proxy forwards the hub's public Host; the hub login in front of every route is what protects
+            # the server (a rebound DNS name carries no hub cookie or token).
+            "--allowed-hosts", "*",
+            # One worker: the embedded mode shares its few cores with the hub and the servers.
+            "--workers", "1",
+        ],
+        "environment": {"GPUPOOL_POLICIES": str(settings.policy_dir), "GPUPOOL_LEDGER_URL": settings.ledger_url},
+        # The hub gives up (and exits) when a managed service does not answer in time; MLflow's first start
+        # creates its database and imports a lot, which takes a minute on a busy small machine.
+        "timeout": 180,
+        "oauth_no_confirm": True,
+        "display": True,
+    }
 
 
 def apply_config(c, settings: Settings) -> None:
@@ -96,6 +141,7 @@ def apply_config(c, settings: Settings) -> None:
     c.Spawner.default_url = "/lab"
     c.Spawner.cmd = [str(Path(sys.executable).parent / "jupyterhub-singleuser")]
     c.Spawner.environment = {"GPUPOOL_HUB_URL": settings.url}
+    c.LocalGPUSpawner.mlflow_url = settings.mlflow_url
 
     if settings.authenticator == "native":
         c.JupyterHub.authenticator_class = "gpupool.hub.auth.GPUPoolNativeAuthenticator"
@@ -124,6 +170,7 @@ def apply_config(c, settings: Settings) -> None:
         "oauth_no_confirm": True,
         "display": True,
     })
-    roles += [{"name": name, **role} for name, role in accounting_roles().items()]
+    services.append(mlflow_service(settings))
+    roles += [{"name": name, **role} for name, role in service_roles().items()]
     c.JupyterHub.services = services + list(settings.extra_services)
     c.JupyterHub.load_roles = roles

@@ -61,7 +61,8 @@ def free_port_block(n: int = 3) -> int:
 class Hub:
     """A `gpupool up` process and a REST client for it."""
 
-    def __init__(self, tmp: Path, policy_files: dict[str, str], extra_config: str = "", ledger_url: str | None = None):
+    def __init__(self, tmp: Path, policy_files: dict[str, str], extra_config: str = "", ledger_url: str | None = None,
+                 mlflow_backend_url: str | None = None):
         self.token = uuid.uuid4().hex
         self.policies = tmp / "policies"
         self.policies.mkdir(parents=True)
@@ -70,8 +71,9 @@ class Hub:
         self.state = tmp / "state"
         (self.state / "jupyterhub_config.d").mkdir(parents=True)
         (self.state / "jupyterhub_config.d" / "harness.py").write_text(service_config(self.token, extra_config))
-        self.port = free_port_block(4)
+        self.port = free_port_block(5)
         self.ledger_url = ledger_url or f"sqlite:///{self.state / 'ledger.sqlite'}"
+        self.mlflow_backend_url = mlflow_backend_url
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
         self.log = tmp / "hub.log"
@@ -83,16 +85,18 @@ class Hub:
         env = dict(os.environ)
         self.process = subprocess.Popen(
             [GPUPOOL, "up", "--state-dir", str(self.state), "--port", str(self.port), "--policies", str(self.policies),
-             "--ledger-url", self.ledger_url],
+             "--ledger-url", self.ledger_url,
+             *(["--mlflow-backend-url", self.mlflow_backend_url] if self.mlflow_backend_url else [])],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
-        deadline = time.monotonic() + 60
+        # The hub answers once its managed services are up (MLflow takes a while on a busy machine).
+        deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log.read_text()[-3000:]
             try:
-                if self.session.get(f"{self.url}/hub/api/users", timeout=2).status_code == 200:
+                if self.session.get(f"{self.url}/hub/api/users", timeout=5).status_code == 200:
                     return
-            except requests.ConnectionError:
+            except (requests.ConnectionError, requests.Timeout):
                 pass
             time.sleep(0.3)
         raise TimeoutError(self.log.read_text()[-3000:])
@@ -100,7 +104,20 @@ class Hub:
     def stop(self) -> None:
         if self.process and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
-            self.process.wait(30)
+            # JupyterHub stops its managed services (MLflow among them) first: interrupt, then terminate.
+            self.process.wait(90)
+
+    def wait_service(self, name: str, path: str = "", timeout: float = 120) -> None:
+        """Wait until the managed service `name` answers `path` through the proxy."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(f"{self.url}/services/{name}/{path}", timeout=5).status_code == 200:
+                    return
+            except (requests.ConnectionError, requests.Timeout):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"service {name} does not answer\n{self.log.read_text()[-3000:]}")
 
     def kill(self) -> None:
         """SIGKILL the hub process (a crash): its services, proxy and servers are left as they are."""

@@ -69,6 +69,7 @@ def up(args: argparse.Namespace) -> int:
         "GPUPOOL_ADMIN": args.admin,
         "GPUPOOL_AUTHENTICATOR": args.authenticator,
         "GPUPOOL_LEDGER_URL": args.ledger_url or f"sqlite:///{state / 'ledger.sqlite'}",
+        "GPUPOOL_MLFLOW_BACKEND_URL": getattr(args, "mlflow_backend_url", None) or "",
     }
     jupyterhub = Path(sys.executable).parent / "jupyterhub"
     os.chdir(state)

@@ -1,4 +1,4 @@
-"""What JupyterHub is told about gpupool in both modes: teams as groups, the accounting service's roles.
+"""What JupyterHub is told about gpupool in both modes: teams as groups, the roles of the hub services.
 
 `hub/config.py` (embedded) and `spawner/volcano.py` (the Zero-to-JupyterHub values) both take these, so the
 two modes cannot drift apart.
@@ -15,6 +15,14 @@ ACCOUNTING_ROLE = "gpupool-accounting"
 #: The scopes of the accounting service's role: team membership (groups) and, for reconciliation, which
 #: servers run with which options (`read:servers` shows `started` and `user_options`, never their state).
 ACCOUNTING_SCOPES = ("list:groups", "read:groups", "list:users", "read:servers")
+MLFLOW_SERVICE = "mlflow"
+MLFLOW_ROLE = "gpupool-mlflow"
+#: The MLflow service needs no hub scope: the identity of each caller's token (name, admin, groups) comes with
+#: the token itself, and teams and reviewers come from the policies.
+MLFLOW_SCOPES: tuple[str, ...] = ()
+#: What a user server's own API token ($JUPYTERHUB_API_TOKEN, also $MLFLOW_TRACKING_TOKEN) may do: JupyterHub's
+#: default `server` role, plus calling the MLflow service.
+SERVER_TOKEN_SCOPES = ("users:activity!user", "access:servers!server", f"access:services!service={MLFLOW_SERVICE}")
 
 
 def team_groups(policy: Policy) -> dict[str, dict[str, Any]]:
@@ -25,13 +33,19 @@ def team_groups(policy: Policy) -> dict[str, dict[str, Any]]:
     }
 
 
-def accounting_roles() -> dict[str, dict[str, Any]]:
-    """The service gets exactly its scopes; every user may open its pages (the service decides what they see)."""
+def service_roles() -> dict[str, dict[str, Any]]:
+    """Each service gets exactly its scopes; every user may open their pages (the services decide what they see)."""
     return {
         ACCOUNTING_ROLE: {
             "description": "gpupool-accounting reads team membership and which servers run",
             "scopes": list(ACCOUNTING_SCOPES),
             "services": [ACCOUNTING_SERVICE],
         },
-        "user": {"scopes": ["self", f"access:services!service={ACCOUNTING_SERVICE}"]},
+        MLFLOW_ROLE: {
+            "description": "the MLflow tracking server and model registry: no hub scopes",
+            "scopes": list(MLFLOW_SCOPES),
+            "services": [MLFLOW_SERVICE],
+        },
+        "user": {"scopes": ["self", f"access:services!service={ACCOUNTING_SERVICE}",
+                            f"access:services!service={MLFLOW_SERVICE}"]},
     }

@@ -17,6 +17,7 @@ from tornado import web
 from traitlets import Unicode, default
 from traitlets.config import LoggingConfigurable
 
+from gpupool.hub.wiring import SERVER_TOKEN_SCOPES
 from gpupool.policies import DEFAULT_POLICY_DIR, Policy, PolicyError, load_policy
 from gpupool.policies.loader import policy_file_paths
 from gpupool.policies.model import Profile
@@ -54,6 +55,14 @@ def teams_of(policy: Policy, user: str, groups) -> list[str]:
     """`user`'s teams in policy order: hub `groups` that are policy teams, plus the policy's member lists."""
     groups = set(groups)
     return [name for name, team in policy.teams.items() if name in groups or user in team.members]
+
+
+def mlflow_env(url: str, token: str, team: str | None) -> dict[str, str]:
+    """The MLflow client's variables in a user server: the hub-served tracking server, the server's hub token."""
+    env = {"MLFLOW_TRACKING_URI": url.rstrip("/"), "MLFLOW_TRACKING_TOKEN": token}
+    if team:
+        env["MLFLOW_EXPERIMENT_NAME"] = team
+    return env
 
 
 @dataclass(frozen=True)
@@ -110,7 +119,32 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
         """,
     ).tag(config=True)
 
+    mlflow_url = Unicode(
+        "",
+        help="""
+        The URL of gpupool's MLflow service as user servers reach it (through the hub's proxy), e.g.
+
+            c.LocalGPUSpawner.mlflow_url = "https://hub.example.org/services/mlflow/"
+
+        Every server then gets MLFLOW_TRACKING_URI (this URL), MLFLOW_TRACKING_TOKEN (the server's own hub
+        token, which may call the MLflow service) and MLFLOW_EXPERIMENT_NAME (its team), so that
+        `import mlflow; mlflow.start_run()` logs into the team's experiment. Empty: no MLflow variables.
+        `gpupool up` sets it; the Helm chart sets it to the in-cluster proxy address.
+        """,
+    ).tag(config=True)
+
+    @default("server_token_scopes")
+    def _default_server_token_scopes(self):
+        return list(SERVER_TOKEN_SCOPES)
+
     gpupool_choice: Choice | None = None
+
+    def get_env(self):
+        env = super().get_env()
+        if self.mlflow_url and env.get("JUPYTERHUB_API_TOKEN"):
+            env.update(mlflow_env(self.mlflow_url, env["JUPYTERHUB_API_TOKEN"],
+                                  self.gpupool_choice.team if self.gpupool_choice else None))
+        return env
 
     @property
     def policy(self) -> Policy:

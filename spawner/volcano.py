@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from gpupool.hub.wiring import ACCOUNTING_SERVICE, accounting_roles, team_groups
+from gpupool.hub.wiring import ACCOUNTING_SERVICE, MLFLOW_SERVICE, service_roles, team_groups
 from gpupool.policies.model import DNS_LABEL, Policy
 
 QUEUE_API_VERSION = "scheduling.volcano.sh/v1beta1"
@@ -33,6 +33,10 @@ POLICY_VOLUME = "gpupool-policies"
 #: The port of the accounting service's Deployment (helm/gpupool/templates/accounting.yaml); its name and
 #: roles are the embedded mode's (gpupool.hub.wiring).
 ACCOUNTING_PORT = 8080
+#: The port of the MLflow Service (helm/gpupool values `mlflow.port`).
+MLFLOW_PORT = 5000
+#: Where user pods reach MLflow: through z2jh's proxy Service, behind the hub login.
+MLFLOW_URL = f"http://proxy-public/services/{MLFLOW_SERVICE}/"
 
 DEVICE_PLUGIN_CONFIG_LABEL = "nvidia.com/device-plugin.config"
 DEFAULT_DEVICE_PLUGIN_NAMESPACE = "gpu-operator"
@@ -69,6 +73,11 @@ class Release:
     def dataset_secret_pattern(self) -> str:
         """The Secret of each team's S3 keys (helm/gpupool/templates/datasets-secrets.yaml), `{team}` left open."""
         return f"{self.name}-datasets-{{team}}"
+
+    @property
+    def mlflow_service(self) -> str:
+        """The Kubernetes Service of the MLflow Deployment (helm/gpupool/templates/mlflow.yaml)."""
+        return f"{self.name}-mlflow"
 
     @property
     def accounting_service(self) -> str:
@@ -307,9 +316,10 @@ def jupyterhub_values(policy: Policy, release: Release) -> dict[str, Any]:
     # A notebook holds no Kubernetes credentials: KubeSpawner would mount a token whenever a service
     # account is set, and z2jh has no singleuser key for this trait.
     config["KubeSpawner"] = {"automount_service_account_token": False}
+    config["GPUKubeSpawner"] = {"mlflow_url": MLFLOW_URL}
     if policy.datasets.storage == "s3":
         # The chart's per-team Secrets (templates/datasets-secrets.yaml) hold the S3 keys of the team remotes.
-        config["GPUKubeSpawner"] = {"dataset_secret_name": release.dataset_secret_pattern}
+        config["GPUKubeSpawner"]["dataset_secret_name"] = release.dataset_secret_pattern
     return {
         "hub": {
             "config": config,
@@ -328,10 +338,15 @@ def jupyterhub_values(policy: Policy, release: Release) -> dict[str, Any]:
                     "oauth_no_confirm": True,
                     "display": True,
                 },
+                MLFLOW_SERVICE: {
+                    "url": f"http://{release.mlflow_service}:{MLFLOW_PORT}",
+                    "oauth_no_confirm": True,
+                    "display": True,
+                },
             },
             # The same roles as the embedded mode's (hub/config.py): the service gets exactly the scopes it
             # declares, and every user may open its pages, where the service decides what each one sees.
-            "loadRoles": accounting_roles(),
+            "loadRoles": service_roles(),
         },
         # Volcano places user pods; z2jh's user scheduler, its placeholders and its own PriorityClasses
         # would compete with the team queues and priorities.

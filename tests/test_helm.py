@@ -183,6 +183,31 @@ def test_the_hub_without_the_ledger_password_is_refused_with_the_snippet_to_add(
     assert "secretKeyRef: {name: gpupool-postgres, key: password}" in str(refused.value)
 
 
+def test_mlflow_runs_the_gpupool_app_as_the_hub_service_the_wiring_names():
+    values = merge(values_for(EXAMPLES_DIR), {"mlflow": {"enabled": True, "artifacts": {
+        "destination": "s3://mlflow/", "existingSecret": "s3-keys"}}})
+    rendered = {key(o): o for o in render(values)}
+    hub = values["jupyterhub"]["hub"]
+    service = rendered[("Service", NAMESPACE, "pool-mlflow")]
+    assert hub["services"]["mlflow"]["url"] == f"http://pool-mlflow:{service['spec']['ports'][0]['port']}"
+    assert hub["config"]["GPUKubeSpawner"]["mlflow_url"] == "http://proxy-public/services/mlflow/"
+    container = rendered[("Deployment", NAMESPACE, "pool-mlflow")]["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"][:3] == ["mlflow", "server", "--app-name=gpupool"]
+    assert "--static-prefix=/services/mlflow" in container["command"]
+    assert "--serve-artifacts" in container["command"] and "--artifacts-destination=s3://mlflow/" in container["command"]
+    assert ("--backend-store-uri=postgresql+psycopg://gpupool@postgres.db.svc:5432/mlflow?sslmode=prefer"
+            in container["command"])
+    env = {e["name"]: e for e in container["env"]}
+    assert env["JUPYTERHUB_API_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hub", "key": "hub.services.mlflow.apiToken"}
+    assert env["JUPYTERHUB_SERVICE_PREFIX"]["value"] == "/services/mlflow/"
+    assert env["GPUPOOL_POLICIES"]["value"] == hub["extraEnv"]["GPUPOOL_POLICIES"]
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "s3-keys"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/services/mlflow/health"
+    # Without an artifact store there is nothing to serve the teams' artifacts from: a named error.
+    with pytest.raises(Exception, match="mlflow.artifacts.destination"):
+        render(merge(values_for(EXAMPLES_DIR), {"mlflow": {"enabled": True}}))
+
+
 def test_chart_defaults_are_the_python_constants_and_version():
     with helm.Chart.load(CHART) as chart:
         defaults, metadata = chart.values, chart.metadata

@@ -233,6 +233,7 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
                     },
                 },
                 "KubeSpawner": {"automount_service_account_token": False},
+                "GPUKubeSpawner": {"mlflow_url": "http://proxy-public/services/mlflow/"},
             },
             "extraEnv": {
                 "GPUPOOL_POLICIES": "/etc/gpupool/policies",
@@ -245,6 +246,7 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
             ],
             "services": {
                 "accounting": {"url": "http://gpupool-accounting:8080", "oauth_no_confirm": True, "display": True},
+                "mlflow": {"url": "http://gpupool-mlflow:5000", "oauth_no_confirm": True, "display": True},
             },
             "loadRoles": {
                 "gpupool-accounting": {
@@ -252,7 +254,12 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
                     "scopes": ["list:groups", "read:groups", "list:users", "read:servers"],
                     "services": ["accounting"],
                 },
-                "user": {"scopes": ["self", "access:services!service=accounting"]},
+                "gpupool-mlflow": {
+                    "description": "the MLflow tracking server and model registry: no hub scopes",
+                    "scopes": [],
+                    "services": ["mlflow"],
+                },
+                "user": {"scopes": ["self", "access:services!service=accounting", "access:services!service=mlflow"]},
             },
         },
         "scheduling": {

@@ -546,6 +546,15 @@ class Ledger:
         with self.engine.connect() as connection:
             return [_interval(row) for row in connection.execute(query)]
 
+    def intervals_overlapping(self, start: datetime, end: datetime, *, user: str, team: str) -> list[Interval]:
+        """`user`'s intervals charged to `team` that overlap [start, end) (open ones included)."""
+        query = (sa.select(INTERVALS)
+                 .where(INTERVALS.c.user == user, INTERVALS.c.team == team, INTERVALS.c.start_at < end,
+                        sa.or_(INTERVALS.c.end_at.is_(None), INTERVALS.c.end_at > start))
+                 .order_by(INTERVALS.c.start_at, INTERVALS.c.key))
+        with self.engine.connect() as connection:
+            return [_interval(row) for row in connection.execute(query)]
+
     def holdings(self) -> Holdings:
         """What is held now, from the open intervals."""
         return Holdings.of(self.open_intervals())

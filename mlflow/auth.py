@@ -1,0 +1,675 @@
+"""The `gpupool` MLflow app (`mlflow server --app-name gpupool`): the hub login and team permissions in front of MLflow.
+
+An ASGI layer around MLflow's own app: browsers log in through HubOAuth, API clients send their JupyterHub token
+as `Authorization: Bearer`; every request is checked against `permissions.ROUTES` before MLflow sees it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import secrets
+import uuid
+from datetime import datetime, timezone
+from http.cookies import SimpleCookie
+from urllib.parse import parse_qs, quote, urlencode
+
+import anyio
+
+from gpupool.mlflow.cost import COST_TAGS, run_cost
+from gpupool.mlflow.permissions import (
+    TEAM_TAG,
+    Refused,
+    Viewer,
+    check_alias,
+    check_location,
+    relative_segments,
+    route_of,
+    team_for_new,
+    viewer_of,
+)
+
+log = logging.getLogger("gpupool.mlflow")
+
+#: Largest request body accepted (artifact uploads included); larger ones get 413 before MLflow reads them.
+MAX_BODY_BYTES = int(os.environ.get("GPUPOOL_MLFLOW_MAX_BODY_BYTES", str(512 * 1024 * 1024)))
+#: JSON API bodies (everything but artifact uploads) are much smaller.
+MAX_JSON_BYTES = 4 * 1024 * 1024
+TOKEN_COOKIE = "gpupool-mlflow-token"
+STATE_COOKIE = "gpupool-mlflow-oauth-state"
+TERMINAL_STATUSES = {"FINISHED", "FAILED", "KILLED"}
+#: Tags only the server writes: team ownership, alias history, run cost.
+SERVER_TAG_PREFIX = "gpupool."
+RUN_CONTEXT_TAGS = {"gpupool.user", "gpupool.team", "gpupool.profile", "gpupool.gpu_model", "gpupool.share"}
+#: GraphQL root fields the UI uses, and the argument each is checked by.
+GRAPHQL_FIELDS = {
+    "mlflowGetExperiment": ("experimentId", "experiment"),
+    "mlflowGetRun": ("runId", "run"),
+    "mlflowListArtifacts": ("runId", "run"),
+    "mlflowGetMetricHistoryBulkInterval": ("runIds", "runs"),
+    "mlflowSearchRuns": ("experimentIds", "experiments"),
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _iso(moment: datetime) -> str:
+    return moment.isoformat(timespec="seconds")
+
+
+class Stores:
+    """Owner look-ups and the server's own writes, on MLflow's stores in this process."""
+
+    def __init__(self):
+        from mlflow.server import handlers
+
+        self._handlers = handlers
+
+    @property
+    def tracking(self):
+        return self._handlers._get_tracking_store()
+
+    @property
+    def registry(self):
+        return self._handlers._get_model_registry_store()
+
+    def _or_404(self, what: str, call, *args):
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return call(*args)
+        except MlflowException:
+            raise Refused(404, f"no {what} that you may see") from None
+
+    def experiment_team(self, experiment_id: object) -> str | None:
+        if not isinstance(experiment_id, str | int) or not str(experiment_id).isdigit():
+            raise Refused(400, f"experiment_id must be a number, not {experiment_id!r}")
+        return self._or_404("such experiment", self.tracking.get_experiment, str(experiment_id)).tags.get(TEAM_TAG)
+
+    def run(self, run_id: object):
+        if not isinstance(run_id, str) or not run_id.isalnum():
+            raise Refused(400, f"run_id must be a run's id, not {run_id!r}")
+        return self._or_404("such run", self.tracking.get_run, run_id)
+
+    def run_team(self, run_id: object) -> str | None:
+        return self.experiment_team(self.run(run_id).info.experiment_id)
+
+    def logged_model_team(self, model_id: object) -> str | None:
+        if not isinstance(model_id, str) or not model_id.replace("-", "").isalnum():
+            raise Refused(400, f"model_id must be a logged model's id, not {model_id!r}")
+        model = self._or_404("such logged model", self.tracking.get_logged_model, model_id)
+        return self.experiment_team(model.experiment_id)
+
+    def model_team(self, name: object) -> str | None:
+        if not isinstance(name, str) or not name:
+            raise Refused(400, "name must be a registered model's name")
+        return self._or_404("such registered model", self.registry.get_registered_model, name).tags.get(TEAM_TAG)
+
+    def alias_version(self, name: str, alias: str) -> str | None:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return str(self.registry.get_model_version_by_alias(name, alias).version)
+        except MlflowException:
+            return None
+
+    def set_version_tags(self, name: str, version: str, tags: dict[str, str]) -> None:
+        from mlflow.entities.model_registry import ModelVersionTag
+
+        for key, value in tags.items():
+            self.registry.set_model_version_tag(name, version, ModelVersionTag(key, value))
+
+    def set_run_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        from mlflow.entities import RunTag
+
+        for key, value in tags.items():
+            self.tracking.set_tag(run_id, RunTag(key, value))
+
+
+class Request:
+    """What the gate knows about one request: method, path under the prefix, parameters, body."""
+
+    def __init__(self, scope: dict, prefix: str, body: bytes):
+        self.scope = scope
+        self.method = scope["method"]
+        self.path = scope["path"][len(prefix):] or "/"
+        self.raw_path = (scope.get("raw_path") or scope["path"].encode()).decode("latin-1")
+        self.query = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
+        self.headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        self.body = body
+        self.json_body: dict | None = None
+        # MLflow reads GET parameters from the query string when there is one, else (as for every other
+        # method) from the JSON body; the gate checks exactly what MLflow will read.
+        self.uses_query = self.method == "GET" and bool(self.query)
+
+    def params(self) -> dict:
+        if self.uses_query:
+            return {k: v[0] for k, v in self.query.items()}
+        if self.json_body is None:
+            if len(self.body) > MAX_JSON_BYTES:
+                raise Refused(413, f"request body over {MAX_JSON_BYTES} bytes")
+            try:
+                value = json.loads(self.body) if self.body.strip() else {}
+                if isinstance(value, str):  # MLflow accepts double-encoded JSON from old clients
+                    value = json.loads(value)
+            except (ValueError, UnicodeDecodeError):
+                raise Refused(400, "the request body must be a JSON object") from None
+            if not isinstance(value, dict):
+                raise Refused(400, "the request body must be a JSON object")
+            self.json_body = value
+        return self.json_body
+
+    def list_param(self, name: str) -> list:
+        if self.uses_query:
+            return self.query.get(name, [])
+        value = self.params().get(name, [])
+        if not isinstance(value, list):
+            raise Refused(400, f"{name} must be a list")
+        return value
+
+    def rewrite(self) -> None:
+        """Forward exactly the parameters that were checked (re-encoded as one JSON object)."""
+        if not self.uses_query and self.json_body is not None:
+            self.body = json.dumps(self.json_body).encode()
+
+
+class Decision:
+    """What to do after the checks: forward, maybe filter the JSON answer, maybe act after success."""
+
+    def __init__(self):
+        self.filter = None  # callable(dict) -> dict
+        self.after = None  # callable(dict) -> None, on a 200 answer
+
+
+def _id_of(params: dict, *names: str):
+    for name in names:
+        if params.get(name) not in (None, ""):
+            return params[name]
+    raise Refused(400, f"missing parameter {' or '.join(names)}")
+
+
+def _tags_param(params: dict, name: str = "tags") -> list[dict]:
+    tags = params.get(name) or []
+    if not isinstance(tags, list) or not all(isinstance(t, dict) for t in tags):
+        raise Refused(400, f"{name} must be a list of {{key, value}} objects")
+    return tags
+
+
+class Gate:
+    """The checks, given a viewer and the stores; `decide` raises `Refused` or returns a `Decision`."""
+
+    def __init__(self, stores: Stores, policy_dir: str, ledger_url: str):
+        self.stores = stores
+        self.policy_dir = policy_dir
+        self.ledger_url = ledger_url
+        self._ledger = None
+
+    @property
+    def policy(self):
+        from gpupool.spawner.mixin import current_policy
+
+        return current_policy(self.policy_dir, log)
+
+    @property
+    def ledger(self):
+        if self._ledger is None:
+            from gpupool.hub.accounting.ledger import Ledger
+
+            self._ledger = Ledger(self.ledger_url, migrate=False)
+        return self._ledger
+
+    def need(self, viewer: Viewer, team: str | None, what: str) -> None:
+        # Another team's object answers 404, as a missing one does: its existence does not leak either.
+        if not viewer.member_of(team):
+            raise Refused(404, f"no {what} that you may see")
+
+    def decide(self, viewer: Viewer, request: Request) -> Decision:
+        rule, args = route_of(request.method, request.path)
+        decision = Decision()
+        kind, _, action = rule.partition(":")
+        if rule in ("ui", "any"):
+            return decision
+        if rule == "graphql":
+            self.check_graphql(viewer, request)
+            return decision
+        if kind == "artifacts":
+            self.check_artifact_path(viewer, request, args)
+            return decision
+        params = request.params()
+        s = self.stores
+        if rule == "experiment:create":
+            self.create_owned(viewer, params, "experiment")
+            team = next(t["value"] for t in params["tags"] if t.get("key") == TEAM_TAG)
+            location = params.get("artifact_location") or f"mlflow-artifacts:/{team}/{uuid.uuid4().hex}"
+            params["artifact_location"] = check_location(location, team)
+        elif rule == "model:create":
+            self.create_owned(viewer, params, "registered model")
+        elif rule == "experiment:search":
+            decision.filter = lambda body: self.filter_list(viewer, body, "experiments")
+        elif rule == "model:search":
+            decision.filter = lambda body: self.filter_list(viewer, body, "registered_models")
+        elif rule == "version:search":
+            decision.filter = lambda body: self.filter_versions(viewer, body)
+        elif rule == "experiment:by-name":
+            decision.filter = lambda body: self.filter_one(viewer, body)
+        elif kind == "experiment":
+            self.need(viewer, s.experiment_team(_id_of(params, "experiment_id")), "such experiment")
+            if params.get("new_name") is not None:  # a rename may not take another team's name either
+                team_for_new(viewer, params["new_name"], None, list(self.policy.teams))
+            if action == "write-tag":
+                self.reserved_key(viewer, params.get("key"))
+        elif rule == "experiments:read":
+            ids = request.list_param("experiment_ids")
+            if not ids:
+                raise Refused(400, "experiment_ids must name at least one experiment of your team")
+            for experiment_id in ids:
+                self.need(viewer, s.experiment_team(experiment_id), "such experiment")
+        elif rule == "run:create":
+            self.need(viewer, s.experiment_team(_id_of(params, "experiment_id")), "such experiment")
+            tags = [t for t in _tags_param(params) if t.get("key") != "gpupool.user"]
+            for tag in tags:
+                self.reserved_key(viewer, tag.get("key"), allowed=RUN_CONTEXT_TAGS)
+            params["tags"] = tags + [{"key": "gpupool.user", "value": viewer.name}]
+        elif kind == "run":
+            run_id = _id_of(params, "run_id", "run_uuid")
+            self.need(viewer, s.run_team(run_id), "such run")
+            if action == "write-tag":
+                self.reserved_key(viewer, params.get("key"))
+            elif action == "write-batch":
+                for tag in _tags_param(params):
+                    self.reserved_key(viewer, tag.get("key"))
+            elif action == "update" and params.get("status") in TERMINAL_STATUSES:
+                decision.after = lambda body: self.tag_cost(str(run_id))
+        elif rule == "runs:read":
+            ids = request.list_param("run_ids")
+            if not ids:
+                raise Refused(400, "run_ids must name at least one run")
+            for run_id in ids:
+                self.need(viewer, s.run_team(run_id), "such run")
+        elif kind == "logged-model":
+            self.need(viewer, s.logged_model_team(args[0]), "such logged model")
+        elif rule == "model:rename":
+            self.need(viewer, s.model_team(params.get("name")), "such registered model")
+            team_for_new(viewer, params.get("new_name"), None, list(self.policy.teams))
+        elif kind == "model":
+            self.need(viewer, s.model_team(params.get("name")), "such registered model")
+            if action == "write-tag":
+                self.reserved_key(viewer, params.get("key"))
+        elif kind == "alias":
+            name, alias = params.get("name"), params.get("alias")
+            team = s.model_team(name)
+            self.need(viewer, team, "such registered model")
+            check_alias(viewer, team, alias)
+            previous = s.alias_version(name, alias)
+            if action == "set":
+                decision.after = lambda body: self.record_alias(viewer, name, alias, str(params.get("version")),
+                                                                previous)
+            elif previous is not None:
+                decision.after = lambda body: self.record_alias(viewer, name, alias, None, previous)
+        elif rule == "version:create":
+            self.check_new_version(viewer, params)
+        else:  # a rule in ROUTES without a check here: closed, never open by accident
+            raise Refused(403, f"{request.method} {request.path} is not allowed")
+        request.rewrite()
+        return decision
+
+    # --- the checks -----------------------------------------------------------------------------------
+
+    def reserved_key(self, viewer: Viewer, key: object, allowed=frozenset()) -> None:
+        if not isinstance(key, str):
+            raise Refused(400, "a tag needs a string key")
+        if key.startswith(SERVER_TAG_PREFIX) and key not in allowed and not viewer.admin:
+            raise Refused(403, f"tags starting with {SERVER_TAG_PREFIX!r} are written by gpupool itself "
+                               f"(ownership, alias history, cost); {key!r} cannot be set or removed")
+
+    def create_owned(self, viewer: Viewer, params: dict, what: str) -> None:
+        tags = _tags_param(params)
+        requested = [t.get("value") for t in tags if t.get("key") == TEAM_TAG]
+        if len(requested) > 1 or (requested and not isinstance(requested[0], str)):
+            raise Refused(400, f"at most one {TEAM_TAG} tag, naming one of your teams")
+        for tag in tags:
+            self.reserved_key(viewer, tag.get("key"), allowed={TEAM_TAG})
+        team = team_for_new(viewer, params.get("name"), requested[0] if requested else None,
+                            list(self.policy.teams))
+        params["tags"] = [t for t in tags if t.get("key") != TEAM_TAG] + [{"key": TEAM_TAG, "value": team}]
+
+    def check_new_version(self, viewer: Viewer, params: dict) -> None:
+        s = self.stores
+        team = s.model_team(params.get("name"))
+        self.need(viewer, team, "such registered model")
+        source = params.get("source")
+        if isinstance(source, str) and source.startswith("runs:/"):
+            run_id, _, path = source[len("runs:/"):].partition("/")
+            relative_segments(path)
+            if s.run_team(run_id) != team:
+                raise Refused(400, f"source {source!r} is a run outside team {team!r}")
+        elif isinstance(source, str) and source.startswith("models:/"):
+            model_id = source[len("models:/"):]
+            if s.logged_model_team(model_id) != team:
+                raise Refused(400, f"source {source!r} is a logged model outside team {team!r}")
+        else:
+            try:
+                check_location(source, team)
+            except Refused as error:
+                raise Refused(400, f"model version source refused: {error.message}; or runs:/<run id>/<path> or "
+                                   f"models:/<model id> of team {team!r}") from None
+        if params.get("run_id") and s.run_team(params["run_id"]) != team:
+            raise Refused(400, f"run_id {params['run_id']!r} is not a run of team {team!r}")
+        if params.get("model_id") and s.logged_model_team(params["model_id"]) != team:
+            raise Refused(400, f"model_id {params['model_id']!r} is not a logged model of team {team!r}")
+
+    def check_artifact_path(self, viewer: Viewer, request: Request, args: tuple[str, ...]) -> None:
+        lowered = request.raw_path.lower()
+        if any(code in lowered for code in ("%2f", "%5c", "%2e", "%25", "%00")):
+            raise Refused(400, "artifact paths may not encode '/', '\\', '.', '%' or NUL")
+        path = args[0] if args else request.query.get("path", [""])[0]
+        segments = relative_segments(path) if path else []
+        if not segments:
+            if viewer.admin:
+                return
+            raise Refused(403, f"list artifacts under your team's folder (path=<team>/…; yours: "
+                               f"{', '.join(viewer.teams) or 'none'})")
+        if not viewer.member_of(segments[0]):
+            raise Refused(403, f"artifacts under {segments[0]!r} belong to another team (yours: "
+                               f"{', '.join(viewer.teams) or 'none'})")
+
+    def check_graphql(self, viewer: Viewer, request: Request) -> None:
+        from graphql import FieldNode, OperationDefinitionNode, OperationType, GraphQLError, parse
+        from graphql.utilities import value_from_ast_untyped
+
+        params = request.params()
+        query, variables = params.get("query"), params.get("variables") or {}
+        if isinstance(variables, str):
+            try:
+                variables = json.loads(variables)
+            except ValueError:
+                raise Refused(400, "GraphQL variables must be a JSON object") from None
+        if not isinstance(query, str) or not isinstance(variables, dict):
+            raise Refused(400, "a GraphQL request needs a query string and optional variables object")
+        try:
+            document = parse(query)
+        except GraphQLError as error:
+            raise Refused(400, f"GraphQL syntax error: {error.message}") from None
+        for definition in document.definitions:
+            if not isinstance(definition, OperationDefinitionNode) or definition.operation != OperationType.QUERY:
+                raise Refused(403, "only GraphQL queries without fragments are accepted")
+            for field in definition.selection_set.selections:
+                if not isinstance(field, FieldNode):
+                    raise Refused(403, "only GraphQL queries without fragments are accepted")
+                name = field.name.value
+                if name in ("__typename", "__schema", "__type"):  # the schema is no team's secret
+                    continue
+                if name not in GRAPHQL_FIELDS:
+                    raise Refused(403, f"GraphQL field {name!r} is not available (accepted: "
+                                       f"{', '.join(GRAPHQL_FIELDS)})")
+                argument, kind = GRAPHQL_FIELDS[name]
+                inputs = {a.name.value: value_from_ast_untyped(a.value, variables) for a in field.arguments}
+                value = (inputs.get("input") or {}).get(argument) if isinstance(inputs.get("input"), dict) else None
+                if name == "mlflowListArtifacts" and value is None:
+                    value = (inputs.get("input") or {}).get("runUuid")
+                values = value if isinstance(value, list) else [value]
+                if not values or any(v is None for v in values):
+                    raise Refused(400, f"GraphQL {name} needs input.{argument}")
+                for v in values:
+                    if kind.startswith("experiment"):
+                        self.need(viewer, self.stores.experiment_team(v), "such experiment")
+                    else:
+                        self.need(viewer, self.stores.run_team(v), "such run")
+
+    # --- answers filtered, actions after success ------------------------------------------------------
+
+    def filter_list(self, viewer: Viewer, body: dict, key: str) -> dict:
+        if not viewer.admin:
+            body[key] = [o for o in body.get(key, []) if viewer.member_of(_tag(o, TEAM_TAG))]
+        return body
+
+    def filter_one(self, viewer: Viewer, body: dict) -> dict:
+        if not viewer.member_of(_tag(body.get("experiment", {}), TEAM_TAG)):
+            raise Refused(404, "no such experiment that you may see")
+        return body
+
+    def filter_versions(self, viewer: Viewer, body: dict) -> dict:
+        if viewer.admin:
+            return body
+        teams: dict[str, str | None] = {}
+        kept = []
+        for version in body.get("model_versions", []):
+            name = version.get("name")
+            if name not in teams:
+                try:
+                    teams[name] = self.stores.model_team(name)
+                except Refused:
+                    teams[name] = None
+            if viewer.member_of(teams[name]):
+                kept.append(version)
+        body["model_versions"] = kept
+        return body
+
+    def record_alias(self, viewer: Viewer, name: str, alias: str, version: str | None, previous: str | None):
+        """Alias history as model-version tags, shown on the version's page in the MLflow UI."""
+        now = _iso(utcnow())
+        if version is not None:
+            self.stores.set_version_tags(name, version, {
+                f"gpupool.alias.{alias}.set_by": viewer.name,
+                f"gpupool.alias.{alias}.set_at": now,
+                f"gpupool.alias.{alias}.previous_version": previous or "none",
+            })
+        if previous is not None and previous != version:
+            self.stores.set_version_tags(name, previous, {
+                f"gpupool.alias.{alias}.removed_by": viewer.name,
+                f"gpupool.alias.{alias}.removed_at": now,
+                f"gpupool.alias.{alias}.next_version": version or "none",
+            })
+
+    def tag_cost(self, run_id: str) -> None:
+        """The GPU-hours and cost of a run that ended, from the ledger over the run's time window."""
+        run = self.stores.tracking.get_run(run_id)
+        tags = run.data.tags
+        user = tags.get("gpupool.user") or run.info.user_id
+        team = tags.get("gpupool.team") or self.stores.experiment_team(run.info.experiment_id)
+        start = datetime.fromtimestamp(run.info.start_time / 1000, timezone.utc)
+        end = datetime.fromtimestamp((run.info.end_time or int(utcnow().timestamp() * 1000)) / 1000, timezone.utc)
+        if not user or not team:
+            return
+        intervals = self.ledger.intervals_overlapping(start, end, user=user, team=team)
+        cost = run_cost(self.policy, intervals, start, end, tags.get("gpupool.profile"))
+        self.stores.set_run_tags(run_id, cost.tags())
+
+
+def _tag(obj: dict, key: str) -> str | None:
+    tags = obj.get("tags") or []
+    if isinstance(tags, dict):
+        return tags.get(key)
+    return next((t.get("value") for t in tags if isinstance(t, dict) and t.get("key") == key), None)
+
+
+class HubGate:
+    """The ASGI app: authentication (HubOAuth cookie or bearer token), body limit, then `Gate`, then MLflow."""
+
+    def __init__(self, app, gate: Gate, auth, prefix: str):
+        self.app, self.gate, self.auth, self.prefix = app, gate, auth, prefix.rstrip("/")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if path == self.prefix:
+            return await _redirect(send, self.prefix + "/")
+        if not path.startswith(self.prefix + "/"):
+            return await _refuse(send, Refused(404, f"MLflow is served under {self.prefix}/"))
+        relative = path[len(self.prefix):]
+        if relative == "/health":
+            return await self.app(scope, receive, send)
+        if relative == "/oauth_callback":
+            return await self.oauth_callback(scope, send)
+        try:
+            body = await _read_body(scope, receive)
+            request = Request(scope, self.prefix, body)
+            user = await anyio.to_thread.run_sync(self.identify, request)
+            if user is None:
+                if request.method == "GET" and "text/html" in request.headers.get("accept", ""):
+                    return await self.login_redirect(scope, send)
+                raise Refused(401, "log in through JupyterHub: send `Authorization: Bearer <JupyterHub token>` "
+                                   "(MLFLOW_TRACKING_TOKEN in a gpupool server) or open the page in a browser")
+            viewer = viewer_of(user, self.gate.policy)
+            decision = await anyio.to_thread.run_sync(self.gate.decide, viewer, request)
+        except Refused as refused:
+            return await _refuse(send, refused)
+        await self.forward(scope, request, decision, send)
+
+    def identify(self, request: Request) -> dict | None:
+        header = request.headers.get("authorization", "")
+        match = self.auth.auth_header_pat.match(header)
+        token = match.group(1) if match else _cookies(request.headers).get(TOKEN_COOKIE)
+        if not token:
+            return None
+        user = self.auth.user_for_token(token)
+        if user is None:
+            return None
+        if not self.auth.check_scopes(self.auth.access_scopes, user):
+            raise Refused(403, f"this token may not use the MLflow service (it needs "
+                               f"{', '.join(sorted(self.auth.access_scopes))})")
+        return user
+
+    async def forward(self, scope, request: Request, decision: Decision, send) -> None:
+        body = request.body
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(body)).encode()))
+        if request.json_body is not None and not request.uses_query:
+            headers = [(k, v) for k, v in headers if k.lower() != b"content-type"]
+            headers.append((b"content-type", b"application/json"))
+        inner_scope = dict(scope, headers=headers)
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        if decision.filter is None and decision.after is None:
+            return await self.app(inner_scope, replay, send)
+        start, chunks = {}, []
+
+        async def capture(message):
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self.app(inner_scope, replay, capture)
+        answer = b"".join(chunks)
+        if start.get("status") == 200:
+            try:
+                data = json.loads(answer) if answer else {}
+                if decision.filter is not None:
+                    data = await anyio.to_thread.run_sync(decision.filter, data)
+                    answer = json.dumps(data).encode()
+                if decision.after is not None:
+                    await anyio.to_thread.run_sync(decision.after, data)
+            except Refused as refused:
+                return await _refuse(send, refused)
+            except Exception:  # the MLflow write happened; a failed follow-up must not turn it into an error
+                log.exception("after %s %s", request.method, request.path)
+        headers = [(k, v) for k, v in start.get("headers", []) if k.lower() != b"content-length"]
+        headers.append((b"content-length", str(len(answer)).encode()))
+        await send({"type": "http.response.start", "status": start.get("status", 500), "headers": headers})
+        await send({"type": "http.response.body", "body": answer})
+
+    async def login_redirect(self, scope, send) -> None:
+        state = secrets.token_urlsafe(16)
+        query = scope.get("query_string", b"").decode("latin-1")
+        next_url = scope["path"] + ("?" + query if query else "")
+        value = base64.urlsafe_b64encode(json.dumps({"state": state, "next": next_url}).encode()).decode()
+        cookie = f"{STATE_COOKIE}={value}; Path={self.prefix}/; HttpOnly; SameSite=Lax; Max-Age=600"
+        await _redirect(send, self.auth.login_url + "&" + urlencode({"state": state}), [cookie])
+
+    async def oauth_callback(self, scope, send) -> None:
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        try:
+            saved = json.loads(base64.urlsafe_b64decode(_cookies(headers).get(STATE_COOKIE, "").encode()))
+        except ValueError:
+            saved = {}
+        code, state = query.get("code", [None])[0], query.get("state", [None])[0]
+        if not code or not state or not isinstance(saved, dict) or saved.get("state") != state:
+            return await _refuse(send, Refused(400, "OAuth state does not match this browser's login; open "
+                                                    f"{self.prefix}/ again"))
+        try:
+            token = await anyio.to_thread.run_sync(self.auth.token_for_code, code)
+        except Exception:
+            log.exception("OAuth code exchange failed")
+            return await _refuse(send, Refused(403, f"the hub refused the login; open {self.prefix}/ again"))
+        next_url = saved.get("next") or self.prefix + "/"
+        if not isinstance(next_url, str) or not next_url.startswith(self.prefix + "/") or "//" in next_url:
+            next_url = self.prefix + "/"
+        secure = "; Secure" if headers.get("x-forwarded-proto") == "https" else ""
+        cookies = [f"{TOKEN_COOKIE}={token}; Path={self.prefix}/; HttpOnly; SameSite=Lax{secure}",
+                   f"{STATE_COOKIE}=; Path={self.prefix}/; Max-Age=0"]
+        await _redirect(send, next_url, cookies)
+
+
+def _cookies(headers: dict) -> dict[str, str]:
+    jar = SimpleCookie()
+    try:
+        jar.load(headers.get("cookie", ""))
+    except Exception:
+        return {}
+    return {k: m.value for k, m in jar.items()}
+
+
+async def _read_body(scope, receive) -> bytes:
+    length = dict(scope.get("headers", [])).get(b"content-length")
+    if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise Refused(413, f"request body over {MAX_BODY_BYTES} bytes")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise Refused(413, f"request body over {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+async def _refuse(send, refused: Refused) -> None:
+    body = json.dumps({"error_code": refused.error_code, "message": refused.message}).encode()
+    await send({"type": "http.response.start", "status": refused.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _redirect(send, location: str, cookies: list[str] = ()) -> None:
+    headers = [(b"location", quote(location, safe=":/?&=%#@+,;~").encode()), (b"content-length", b"0")]
+    headers += [(b"set-cookie", c.encode()) for c in cookies]
+    await send({"type": "http.response.start", "status": 302, "headers": headers})
+    await send({"type": "http.response.body", "body": b""})
+
+
+def create_app():
+    """The `mlflow.app` entry point `gpupool`: MLflow's own ASGI app behind the hub login and team checks."""
+    from jupyterhub.services.auth import HubOAuth
+    from mlflow.server.fastapi_app import app as mlflow_app
+
+    from gpupool.policies import DEFAULT_POLICY_DIR
+
+    prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/mlflow/")
+    # Group changes reach MLflow within a minute.
+    auth = HubOAuth(api_token=os.environ["JUPYTERHUB_API_TOKEN"], cache_max_age=60)
+    state = os.environ.get("GPUPOOL_STATE_DIR", "state")
+    gate = Gate(Stores(), os.environ.get("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR)),
+                os.environ.get("GPUPOOL_LEDGER_URL", f"sqlite:///{state}/ledger.sqlite"))
+    return HubGate(mlflow_app, gate, auth, prefix)

@@ -1,0 +1,232 @@
+"""Team permissions of the MLflow service, pure: who a caller is, which routes exist, where artifacts may live.
+
+No I/O here: `mlflow/auth.py` looks objects up and applies these decisions. Every MLflow route that is not in
+`ROUTES` is refused, so a route a new MLflow release adds stays closed until someone decides about it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+#: The tag that says which team an experiment or a registered model belongs to.
+TEAM_TAG = "gpupool.team"
+#: Aliases only a team's reviewers (policy `teams.<t>.reviewers`) and admins may set or remove.
+REVIEWED_ALIASES = frozenset({"production"})
+#: Every artifact of team T lives under this URI prefix + T.
+ARTIFACT_SCHEME = "mlflow-artifacts:"
+_SEGMENT = re.compile(r"[^\x00-\x1f\x7f/\\?#%]+")
+
+
+class Refused(Exception):
+    """A request refused: an HTTP status, MLflow's error code and a message naming what is accepted."""
+
+    CODES = {400: "INVALID_PARAMETER_VALUE", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
+             404: "RESOURCE_DOES_NOT_EXIST", 413: "REQUEST_LIMIT_EXCEEDED"}
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+    @property
+    def error_code(self) -> str:
+        return self.CODES.get(self.status, "PERMISSION_DENIED")
+
+
+@dataclass(frozen=True)
+class Viewer:
+    """The caller: a hub user, with their teams in policy order and the teams they review for."""
+
+    name: str
+    admin: bool
+    teams: tuple[str, ...]
+    reviews: frozenset[str]
+
+    def member_of(self, team: str | None) -> bool:
+        return self.admin or (team is not None and team in self.teams)
+
+    def may_review(self, team: str | None) -> bool:
+        return self.admin or (team is not None and team in self.reviews and team in self.teams)
+
+
+def viewer_of(user: dict, policy) -> Viewer:
+    """A `Viewer` from a hub user model (name, admin, groups) and the policies (members, reviewers)."""
+    name = user["name"]
+    groups = set(user.get("groups") or []) | set(policy.teams_of(name))
+    teams = tuple(t for t in policy.teams if t in groups)
+    reviews = frozenset(t for t, team in policy.teams.items() if name in team.reviewers)
+    return Viewer(name, bool(user.get("admin")), teams, reviews)
+
+
+def team_for_new(viewer: Viewer, name: object, requested: str | None, all_teams) -> str:
+    """The team a new experiment or registered model called `name` belongs to.
+
+    A `gpupool.team` tag in the request picks one of the caller's teams; otherwise a name that is a team's
+    name or starts with "<team>/" belongs to that team (so nobody can take another team's names); otherwise
+    the caller's first team in policy order.
+    """
+    if requested is not None:
+        if requested not in all_teams or not viewer.member_of(requested):
+            raise Refused(403, f"you cannot create objects for team {requested!r} "
+                               f"(your teams: {', '.join(viewer.teams) or 'none'})")
+        return requested
+    if isinstance(name, str):
+        for team in all_teams:
+            if name == team or name.startswith(team + "/"):
+                if not viewer.member_of(team):
+                    raise Refused(403, f"the name {name!r} belongs to team {team!r}; choose a name that is not "
+                                       f"another team's (your teams: {', '.join(viewer.teams) or 'none'})")
+                return team
+    if not viewer.teams:
+        raise Refused(403, f"{viewer.name} is in no team, so cannot create experiments or models; an "
+                           "administrator adds people with `gpupool team add-member TEAM USER`")
+    return viewer.teams[0]
+
+
+def artifact_root(team: str) -> str:
+    return f"{ARTIFACT_SCHEME}/{team}/"
+
+
+def relative_segments(path: str) -> list[str]:
+    """The segments of a relative artifact path, or `Refused` for anything that could leave its folder."""
+    if not isinstance(path, str) or len(path) > 1024:
+        raise Refused(400, "an artifact path must be a string of at most 1024 characters")
+    parts = path.split("/")
+    if parts and parts[-1] == "":
+        parts = parts[:-1]
+    for part in parts:
+        if part in (".", "..") or not _SEGMENT.fullmatch(part):
+            raise Refused(400, f"artifact path {path!r} refused: segments may not be empty, '.', '..', or contain "
+                               "'\\', '?', '#', '%' or control characters")
+    return parts
+
+
+def check_location(uri: object, team: str) -> str:
+    """`uri` if it lies under `team`'s artifact root, else `Refused` (400) saying what is accepted."""
+    accepted = f"accepted: {artifact_root(team)}<path> (the server stores and serves it)"
+    if not isinstance(uri, str) or not uri.startswith(ARTIFACT_SCHEME + "/") or uri.startswith(ARTIFACT_SCHEME + "//"):
+        raise Refused(400, f"artifact location {uri!r} is outside team {team!r}'s artifact root; {accepted}")
+    try:
+        segments = relative_segments(uri[len(ARTIFACT_SCHEME) + 1:])
+    except Refused as error:
+        raise Refused(400, f"artifact location {uri!r} refused ({error.message}); {accepted}") from None
+    if not segments or segments[0] != team:
+        raise Refused(400, f"artifact location {uri!r} is outside team {team!r}'s artifact root; {accepted}")
+    return uri
+
+
+def check_alias(viewer: Viewer, team: str | None, alias: object) -> None:
+    if not isinstance(alias, str) or not alias:
+        raise Refused(400, "alias must be a non-empty string")
+    if alias.lower() in REVIEWED_ALIASES and not viewer.may_review(team):
+        raise Refused(403, f"only team {team}'s reviewers may set or remove the alias {alias!r} "
+                           "(policy teams.<team>.reviewers); members may set e.g. 'candidate'")
+
+
+# --- the routes --------------------------------------------------------------------------------------------
+
+#: (method, path under the service prefix with ajax-api written as api) → what is checked. `<id>` is one path
+#: segment, `<path>` the rest of the path.
+_API = "/api/2.0/mlflow/"
+ROUTES: dict[tuple[str, str], str] = {
+    ("GET", "/"): "ui",
+    ("GET", "/static-files/<path>"): "ui",
+    ("GET", "/version"): "any",
+    ("GET", "/api/3.0/mlflow/server-info"): "any",
+    ("GET", "/get-artifact"): "run:read",
+    ("GET", "/model-versions/get-artifact"): "model:read",
+    ("POST", "/graphql"): "graphql",
+    ("GET", "/graphql"): "graphql",
+    # experiments
+    ("POST", _API + "experiments/create"): "experiment:create",
+    ("GET", _API + "experiments/search"): "experiment:search",
+    ("POST", _API + "experiments/search"): "experiment:search",
+    ("GET", _API + "experiments/get"): "experiment:read",
+    ("GET", _API + "experiments/get-by-name"): "experiment:by-name",
+    ("POST", _API + "experiments/delete"): "experiment:write",
+    ("POST", _API + "experiments/restore"): "experiment:write",
+    ("POST", _API + "experiments/update"): "experiment:write",
+    ("POST", _API + "experiments/set-experiment-tag"): "experiment:write-tag",
+    ("POST", _API + "experiments/delete-experiment-tag"): "experiment:write-tag",
+    ("POST", _API + "experiments/search-datasets"): "experiments:read",
+    # runs
+    ("POST", _API + "runs/create"): "run:create",
+    ("GET", _API + "runs/get"): "run:read",
+    ("POST", _API + "runs/search"): "experiments:read",
+    ("POST", _API + "runs/update"): "run:update",
+    ("POST", _API + "runs/delete"): "run:write",
+    ("POST", _API + "runs/restore"): "run:write",
+    ("POST", _API + "runs/log-metric"): "run:write",
+    ("POST", _API + "runs/log-parameter"): "run:write",
+    ("POST", _API + "runs/set-tag"): "run:write-tag",
+    ("POST", _API + "runs/delete-tag"): "run:write-tag",
+    ("POST", _API + "runs/log-batch"): "run:write-batch",
+    ("POST", _API + "runs/log-model"): "run:write",
+    ("POST", _API + "runs/log-inputs"): "run:write",
+    ("POST", _API + "runs/outputs"): "run:write",
+    ("GET", _API + "metrics/get-history"): "run:read",
+    ("GET", _API + "metrics/get-history-bulk"): "runs:read",
+    ("GET", _API + "metrics/get-history-bulk-interval"): "runs:read",
+    ("GET", _API + "artifacts/list"): "run:read",
+    # logged models (MLflow 3)
+    ("POST", _API + "logged-models"): "experiment:write",
+    ("POST", _API + "logged-models/search"): "experiments:read",
+    ("GET", _API + "logged-models/<id>"): "logged-model:read",
+    ("PATCH", _API + "logged-models/<id>"): "logged-model:write",
+    ("DELETE", _API + "logged-models/<id>"): "logged-model:write",
+    ("GET", _API + "logged-models/<id>/artifacts/directories"): "logged-model:read",
+    ("GET", _API + "logged-models/<id>/artifacts/files"): "logged-model:read",
+    ("POST", _API + "logged-models/<id>/params"): "logged-model:write",
+    ("PATCH", _API + "logged-models/<id>/tags"): "logged-model:write",
+    ("DELETE", _API + "logged-models/<id>/tags/<path>"): "logged-model:write",
+    # the model registry
+    ("POST", _API + "registered-models/create"): "model:create",
+    ("GET", _API + "registered-models/search"): "model:search",
+    ("GET", _API + "registered-models/get"): "model:read",
+    ("GET", _API + "registered-models/get-latest-versions"): "model:read",
+    ("POST", _API + "registered-models/get-latest-versions"): "model:read",
+    ("POST", _API + "registered-models/rename"): "model:rename",
+    ("PATCH", _API + "registered-models/update"): "model:write",
+    ("DELETE", _API + "registered-models/delete"): "model:write",
+    ("POST", _API + "registered-models/set-tag"): "model:write-tag",
+    ("DELETE", _API + "registered-models/delete-tag"): "model:write-tag",
+    ("GET", _API + "registered-models/alias"): "model:read",
+    ("POST", _API + "registered-models/alias"): "alias:set",
+    ("DELETE", _API + "registered-models/alias"): "alias:delete",
+    ("POST", _API + "model-versions/create"): "version:create",
+    ("GET", _API + "model-versions/get"): "model:read",
+    ("GET", _API + "model-versions/get-download-uri"): "model:read",
+    ("GET", _API + "model-versions/search"): "version:search",
+    ("PATCH", _API + "model-versions/update"): "model:write",
+    ("DELETE", _API + "model-versions/delete"): "model:write",
+    ("POST", _API + "model-versions/transition-stage"): "model:write",
+    ("POST", _API + "model-versions/set-tag"): "model:write-tag",
+    ("DELETE", _API + "model-versions/delete-tag"): "model:write-tag",
+    # the artifact proxy (--serve-artifacts): paths under the artifacts destination, "<team>/..."
+    ("GET", "/api/2.0/mlflow-artifacts/artifacts"): "artifacts:list",
+    ("GET", "/api/2.0/mlflow-artifacts/artifacts/<path>"): "artifacts:path",
+    ("PUT", "/api/2.0/mlflow-artifacts/artifacts/<path>"): "artifacts:path",
+    ("DELETE", "/api/2.0/mlflow-artifacts/artifacts/<path>"): "artifacts:path",
+    ("POST", "/api/2.0/mlflow-artifacts/mpu/create/<path>"): "artifacts:path",
+    ("POST", "/api/2.0/mlflow-artifacts/mpu/complete/<path>"): "artifacts:path",
+    ("POST", "/api/2.0/mlflow-artifacts/mpu/abort/<path>"): "artifacts:path",
+}
+
+_PATTERNS = [
+    (method, re.compile("^" + re.escape(pattern).replace(re.escape("<id>"), "([^/]+)")
+                        .replace(re.escape("<path>"), "(.+)") + "$"), rule)
+    for (method, pattern), rule in ROUTES.items()
+]
+
+
+def route_of(method: str, path: str) -> tuple[str, tuple[str, ...]]:
+    """The rule of `method path` (path under the service prefix) and its path arguments; `Refused` if none."""
+    if path.startswith("/ajax-api/"):
+        path = "/api/" + path[len("/ajax-api/"):]
+    method = "GET" if method == "HEAD" else method
+    for m, pattern, rule in _PATTERNS:
+        if m == method:
+            match = pattern.match(path)
+            if match:
+                return rule, match.groups()
+    raise Refused(404, f"{method} {path} is not available through gpupool's MLflow service")

@@ -1,0 +1,53 @@
+"""How the embedded mode wires MLflow into the hub: the managed service, its role, the servers' environment."""
+
+from __future__ import annotations
+
+from traitlets.config import Config
+
+from gpupool.hub.config import Settings, apply_config
+from gpupool.hub.wiring import SERVER_TOKEN_SCOPES
+from gpupool.spawner.mixin import GPUPoolSpawnerMixin, mlflow_env
+
+
+def test_gpupool_up_runs_mlflow_behind_the_hub_with_state_in_the_state_folder(tmp_path):
+    c = Config()
+    apply_config(c, Settings(state_dir=tmp_path, port=9000))
+    (service,) = [s for s in c.JupyterHub.services if s["name"] == "mlflow"]
+    assert service["url"] == "http://127.0.0.1:9004"
+    command = service["command"]
+    assert command[1:4] == ["server", "--app-name", "gpupool"]
+    options = command
+    assert f"sqlite:///{tmp_path / 'mlflow.sqlite'}" in options
+    assert options[options.index("--artifacts-destination") + 1] == str(tmp_path / "mlflow-artifacts")
+    assert "--serve-artifacts" in options
+    assert options[options.index("--static-prefix") + 1] == "/services/mlflow"
+    assert options[options.index("--port") + 1] == "9004"
+    assert c.LocalGPUSpawner.mlflow_url == "http://127.0.0.1:9000/services/mlflow/"
+    roles = {r["name"]: r for r in c.JupyterHub.load_roles}
+    assert roles["gpupool-mlflow"]["scopes"] == [] and roles["gpupool-mlflow"]["services"] == ["mlflow"]
+    assert "access:services!service=mlflow" in roles["user"]["scopes"]
+    # On PostgreSQL when asked.
+    c = Config()
+    apply_config(c, Settings(state_dir=tmp_path, mlflow_backend_url="postgresql+psycopg://u@db/mlflow"))
+    (service,) = [s for s in c.JupyterHub.services if s["name"] == "mlflow"]
+    assert "postgresql+psycopg://u@db/mlflow" in service["command"]
+
+
+def test_a_servers_mlflow_environment_and_token_scopes():
+    assert mlflow_env("http://hub/services/mlflow/", "tok", "vision") == {
+        "MLFLOW_TRACKING_URI": "http://hub/services/mlflow", "MLFLOW_TRACKING_TOKEN": "tok",
+        "MLFLOW_EXPERIMENT_NAME": "vision",
+    }
+    assert "MLFLOW_EXPERIMENT_NAME" not in mlflow_env("http://hub/services/mlflow/", "tok", None)
+    # JupyterHub's default `server` role, plus calling MLflow: nothing else.
+    assert set(SERVER_TOKEN_SCOPES) == {"users:activity!user", "access:servers!server",
+                                        "access:services!service=mlflow"}
+    from gpupool.spawner.kube import GPUKubeSpawner
+    from gpupool.spawner.local import LocalGPUSpawner
+
+    assert LocalGPUSpawner().server_token_scopes == list(SERVER_TOKEN_SCOPES)
+    # Both spawners take the variables and the scopes from the one mixin.
+    for spawner_class in (LocalGPUSpawner, GPUKubeSpawner):
+        assert "mlflow_url" in spawner_class.class_traits(config=True)
+        assert spawner_class.get_env.__qualname__ != "GPUPoolSpawnerMixin.get_env"  # each adds its own …
+        assert GPUPoolSpawnerMixin in spawner_class.__mro__  # … on top of the mixin's, which sets MLflow's

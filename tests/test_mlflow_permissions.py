@@ -1,0 +1,151 @@
+"""The pure core of the MLflow service: artifact roots, the team of a new object, routes, alias rules, run cost."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+from fractions import Fraction
+
+import pytest
+
+from gpupool.hub.accounting.ledger import Interval
+from gpupool.mlflow.cost import run_cost
+from gpupool.mlflow.permissions import (
+    ROUTES,
+    Refused,
+    Viewer,
+    check_alias,
+    check_location,
+    route_of,
+    team_for_new,
+    viewer_of,
+)
+from gpupool.policies import load_policy
+
+TEAMS = ["vision", "nlp", "vision-extra"]
+ALICE = Viewer("alice", False, ("vision",), frozenset())
+RITA = Viewer("rita", False, ("vision",), frozenset({"vision"}))
+BOTH = Viewer("bo", False, ("nlp", "vision"), frozenset())
+ROOT = Viewer("root", True, (), frozenset())
+
+
+@pytest.mark.parametrize("uri", ["mlflow-artifacts:/vision/abc", "mlflow-artifacts:/vision/abc/1/artifacts/",
+                                 "mlflow-artifacts:/vision/a b+c=d"])
+def test_locations_under_the_team_root_are_accepted(uri):
+    assert check_location(uri, "vision") == uri
+
+
+@pytest.mark.parametrize("uri", [
+    None, 7, "", "file:///etc", "/etc", "vision/x", "mlflow-artifacts:/", "mlflow-artifacts:vision/x",
+    "mlflow-artifacts:/nlp/x", "mlflow-artifacts:/vision-extra/x", "mlflow-artifacts:/visionx",
+    "mlflow-artifacts:/vision/../nlp", "mlflow-artifacts:/vision/./x", "mlflow-artifacts:/vision//x",
+    "mlflow-artifacts:/vision/%2e%2e/nlp", "mlflow-artifacts:/vision/x#y", "mlflow-artifacts:/vision/x?y=1",
+    "mlflow-artifacts:/vision\\..\\nlp", "mlflow-artifacts://host/vision/x", "mlflow-artifacts:///vision/x",
+    "mlflow-artifacts:/vision/x\x00", "s3://other/vision", "http://169.254.169.254/latest",
+    "mlflow-artifacts:/vision/" + "a" * 2000,
+])
+def test_anything_else_is_refused_with_the_accepted_form(uri):
+    with pytest.raises(Refused) as refused:
+        check_location(uri, "vision")
+    assert refused.value.status == 400 and "mlflow-artifacts:/vision/<path>" in refused.value.message
+
+
+def test_the_team_of_a_new_object():
+    assert team_for_new(ALICE, "my-exp", None, TEAMS) == "vision"
+    assert team_for_new(BOTH, "my-exp", None, TEAMS) == "nlp"  # first team in policy order
+    assert team_for_new(BOTH, "vision/exp", None, TEAMS) == "vision"
+    assert team_for_new(BOTH, "x", "vision", TEAMS) == "vision"
+    assert team_for_new(ALICE, "vision", None, TEAMS) == "vision"
+    for name, requested in [("nlp", None), ("nlp/x", None), ("x", "nlp"), ("x", "nowhere")]:
+        with pytest.raises(Refused) as refused:
+            team_for_new(ALICE, name, requested, TEAMS)
+        assert refused.value.status == 403
+    with pytest.raises(Refused, match="in no team"):
+        team_for_new(Viewer("x", False, (), frozenset()), "x", None, TEAMS)
+    assert team_for_new(ROOT, "nlp/x", None, TEAMS) == "nlp"
+
+
+def test_only_reviewers_touch_production():
+    check_alias(ALICE, "vision", "candidate")
+    check_alias(RITA, "vision", "production")
+    check_alias(ROOT, "vision", "production")
+    for viewer, alias in [(ALICE, "production"), (ALICE, "Production"), (RITA, None)]:
+        with pytest.raises(Refused):
+            check_alias(viewer, "vision", alias)
+    # A reviewer of a team is not one of another team.
+    with pytest.raises(Refused):
+        check_alias(RITA, "nlp", "production")
+
+
+def test_routes_are_an_allow_list():
+    assert route_of("GET", "/api/2.0/mlflow/runs/get") == ("run:read", ())
+    assert route_of("GET", "/ajax-api/2.0/mlflow/runs/get") == ("run:read", ())
+    assert route_of("HEAD", "/static-files/js/main.js") == ("ui", ("js/main.js",))
+    assert route_of("PATCH", "/api/2.0/mlflow/logged-models/m-1/tags") == ("logged-model:write", ("m-1",))
+    for method, path in [("POST", "/api/2.0/mlflow/runs/get"), ("GET", "/api/2.0/mlflow/traces"),
+                         ("POST", "/api/2.0/mlflow/gateway/routes"), ("GET", "/api/2.0/mlflow/runs/get/x"),
+                         ("GET", "/admin"), ("POST", "/api/2.0/mlflow/users/create")]:
+        with pytest.raises(Refused) as refused:
+            route_of(method, path)
+        assert refused.value.status == 404
+    # Every MLflow route listed exists in this MLflow (a renamed route would silently stay closed).
+    from mlflow.server.handlers import get_endpoints
+
+    mlflow_routes = {(m, p.replace("<model_id>", "<id>").replace("<path:artifact_path>", "<path>")
+                      .replace("<tag_key>", "<path>"))
+                     for p, _, methods in get_endpoints() for m in methods}
+    api = {(m, p) for (m, p) in ROUTES if p.startswith("/api/") and "get-history-bulk" not in p
+           and "search-datasets" not in p and not p.endswith("/artifacts/files")}
+    assert api <= mlflow_routes, api - mlflow_routes
+
+
+def test_viewer_from_hub_model_and_policies():
+    policy = load_policy_text("""
+teams:
+  vision: {members: [rita], reviewers: [rita]}
+  nlp: {}
+""")
+    viewer = viewer_of({"name": "rita", "admin": False, "groups": ["nlp", "not-a-team"]}, policy)
+    assert viewer == Viewer("rita", False, ("vision", "nlp"), frozenset({"vision"}))
+
+
+def load_policy_text(teams: str):
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp())
+    (folder / "policy.yaml").write_text("""
+models:
+  H200: {vendor: nvidia, memory_gib: 141, backends: [hami]}
+  A100-80GB: {vendor: nvidia, memory_gib: 80, backends: [hami]}
+inventory: [{model: H200, count: 2}, {model: A100-80GB, count: 1}]
+profiles:
+  q: {display_name: q, gpu: {model: H200, share: 0.25}, teams: [vision]}
+billing: {prices: {H200: '3.20', A100-80GB: '1.10'}}
+""" + teams)
+    return load_policy(folder)
+
+
+def test_run_cost_counts_only_the_runs_window_per_model_price():
+    policy = load_policy_text("teams:\n  vision: {}\n")
+    t0 = datetime(2026, 11, 30, 22, tzinfo=timezone.utc)
+
+    def interval(key, model, share, start_h, end_h, profile="q"):
+        end = None if end_h is None else t0 + timedelta(hours=end_h)
+        return Interval(key, "alice", "vision", profile, model, Fraction(share), t0 + timedelta(hours=start_h),
+                        end, None, t0, timedelta(0))
+
+    intervals = [
+        interval("a", "H200", "1/2", -1, 2),  # 2 h inside → 1 GPU-h
+        interval("b", "A100-80GB", "1", 1, None),  # open: counts to the run's end → 2 GPU-h
+        interval("c", "H200", "1", 5, 6),  # after the run
+        interval("d", "H200", "1", 0, 1, profile="other"),  # another profile
+    ]
+    cost = run_cost(policy, intervals, t0, t0 + timedelta(hours=3), profile="q")
+    assert cost.gpu_hours == 3
+    assert cost.cost == Decimal("5.40") and cost.currency == "EUR"  # 1 × 3.20 + 2 × 1.10, across a month end
+    tags = cost.tags()
+    assert Fraction(tags["gpupool.gpu_hours"]) == 3 and tags["gpupool.cost"] == "5.40"
+    everything = run_cost(policy, intervals, t0, t0 + timedelta(hours=3))
+    assert everything.gpu_hours == 4
+    assert run_cost(policy, [], t0, t0).cost == Decimal("0.00")
