@@ -5,8 +5,33 @@ from __future__ import annotations
 from pathlib import Path
 
 from nativeauthenticator import NativeAuthenticator
+from nativeauthenticator import handlers as native_handlers
 from nativeauthenticator.orm import UserInfo
 from traitlets import Unicode
+
+
+class _NoTimer:
+    """What NativeAuthenticator's login asks of `statsd.timer(...)`: start and stop, nothing measured."""
+
+    def start(self) -> _NoTimer:
+        return self
+
+    def stop(self, send: bool = True) -> None:
+        return None
+
+
+class _NoStatsd:
+    def timer(self, name: str) -> _NoTimer:
+        return _NoTimer()
+
+
+class LoginHandler(native_handlers.LoginHandler):
+    """NativeAuthenticator 1.3's login page on JupyterHub 6, which dropped the handlers' `statsd` client:
+    without one every login POST fails with a 500 (`'LoginHandler' object has no attribute 'statsd'`)."""
+
+    @property
+    def statsd(self):
+        return getattr(super(), "statsd", None) or _NoStatsd()
 
 
 class GPUPoolNativeAuthenticator(NativeAuthenticator):
@@ -27,6 +52,10 @@ class GPUPoolNativeAuthenticator(NativeAuthenticator):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ensure_first_admin()
+
+    def get_handlers(self, app):
+        return [(route, LoginHandler if handler is native_handlers.LoginHandler else handler)
+                for route, handler in super().get_handlers(app)]
 
     def ensure_first_admin(self) -> None:
         if not self.admin_password_hash_file or not self.admin_users:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
+import requests
 
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.periods import period_of, utcnow
@@ -57,6 +59,20 @@ def hub(tmp_path_factory):
     for process in psutil.process_iter(["cmdline"]):  # no server outlives the test
         if str(hub.state) in " ".join(process.info["cmdline"] or []):
             process.kill()
+
+
+def test_the_first_admin_logs_in_with_the_password_gpupool_up_printed(hub):
+    (password,) = re.findall(r"with the password (\S+)", hub.log.read_text())
+    browser = requests.Session()
+    page = browser.get(f"{hub.url}/hub/login", timeout=30)
+    assert page.status_code == 200 and 'name="password"' in page.text
+    form = {"username": "admin", "password": password, "_xsrf": browser.cookies.get("_xsrf", "")}
+    wrong = browser.post(f"{hub.url}/hub/login", data={**form, "password": "not-" + password}, timeout=30,
+                         allow_redirects=False)
+    assert wrong.status_code == 200 and "Invalid username or password." in wrong.text
+    logged_in = browser.post(f"{hub.url}/hub/login", data=form, timeout=30, allow_redirects=False)
+    assert logged_in.status_code == 302, logged_in.text[-2000:]
+    assert browser.get(f"{hub.url}/hub/api/user", timeout=30).json()["admin"] is True
 
 
 def test_team_add_member_command(hub):
