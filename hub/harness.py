@@ -32,6 +32,8 @@ c.JupyterHub.load_roles.append({{
     "scopes": ["admin:users", "admin:servers", "access:servers", "admin:groups", "read:users", "tokens"],
     "services": ["harness"],
 }})
+# Test machines are small and busy (servers, MLflow and the tests share two cores): servers get time to answer.
+c.Spawner.http_timeout = 240
 {extra}
 """
 

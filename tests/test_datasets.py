@@ -195,10 +195,6 @@ def test_bad_input_is_refused_and_changes_nothing(tmp_path, capsys, argv, expect
 # --- the real thing: servers, dvc, SeaweedFS ---------------------------------------------------------------------
 
 
-#: A loaded 2-core machine can take more than JupyterHub's default 30 s to import and start JupyterLab.
-PATIENCE = "c.Spawner.http_timeout = 240"
-
-
 def server_env(hub: Hub, user: str, teams: list[str], team: str) -> dict[str, str]:
     """The environment of `user`'s real server charged to `team` (printed by a kernel in it); stops it."""
     for t in teams:
@@ -318,7 +314,7 @@ def stop(hub: Hub) -> None:
 @pytest.fixture(scope="module")
 def folder_env(tmp_path_factory):
     """A real `vision` server's environment on a hub with folder storage; alice is in vision and nlp."""
-    hub = Hub(tmp_path_factory.mktemp("datasets-folder"), POLICY, 'c.LocalGPUSpawner.run_as = "self"\n' + PATIENCE)
+    hub = Hub(tmp_path_factory.mktemp("datasets-folder"), POLICY, 'c.LocalGPUSpawner.run_as = "self"\n')
     hub.start()
     try:
         yield server_env(hub, "alice", ["vision", "nlp"], "vision"), hub
@@ -397,7 +393,7 @@ def s3_env(tmp_path_factory, s3_server):
     os.chmod(credentials, 0o600)
     policy = {**POLICY, "datasets.yaml": f"datasets:\n  storage: s3\n  s3: {{endpoint_url: '{s3_server.endpoint}', "
                                          "region: us-east-1}\n"}
-    hub = Hub(tmp, policy, f'c.LocalGPUSpawner.run_as = "self"\n{PATIENCE}\n'
+    hub = Hub(tmp, policy, f'c.LocalGPUSpawner.run_as = "self"\n'
                            f'c.LocalGPUSpawner.dataset_credentials_file = {str(credentials)!r}')
     hub.start()
     try:
