@@ -133,23 +133,26 @@ def ensure_team_folder(root: Path, team: str, as_root: bool) -> Path:
 def write_server_datasets(folder: Path, setup: ServerDatasets, owner: tuple[int, int] | None) -> dict[str, str]:
     """Write a server's DVC config and credentials into its private `folder`; the environment pointing there.
 
-    The folder is rewritten at every start (policy or membership may have changed) and is 0700, owned by
+    The folder is made anew at every start (policy or membership may have changed) and is 0700, owned by
     the server's user: it is DVC's *global* config, outside any repository, so no `git add` can take it.
+    Removing it first means nothing the user left in it (a symlink to a system file) is written through.
     """
-    folder.mkdir(parents=True, exist_ok=True)
+    if folder.is_symlink():
+        folder.unlink()
+    elif folder.exists():
+        shutil.rmtree(folder)  # does not follow symlinks
+    folder.mkdir(mode=0o700)
     os.chmod(folder, 0o700)
     dvc = folder / "dvc"
-    dvc.mkdir(exist_ok=True)
+    dvc.mkdir()
     files = {dvc / "config": setup.dvc_config, folder / "gitconfig": setup.git_config}
     env = {"DVC_GLOBAL_CONFIG_DIR": str(dvc), "GIT_CONFIG_SYSTEM": str(folder / "gitconfig")}
     credentials = folder / "aws-credentials"
     if setup.credentials:
         files[credentials] = setup.credentials
         env["AWS_SHARED_CREDENTIALS_FILE"] = str(credentials)
-    else:
-        credentials.unlink(missing_ok=True)
     for path, text in files.items():
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(descriptor, "w") as out:
             out.write(text)
         os.chmod(path, 0o600)
@@ -212,6 +215,21 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     @default("team_root")
     def _default_team_root(self):
         return str(Path(self.state_dir) / "teams")
+
+    server_config_root = Unicode(
+        help="""
+        Where each server's private DVC config, git config and dataset credentials are written, in
+        `USER/SERVER` folders (0700, owned by the server's user, made anew at every start). Default:
+        `/run/gpupool/servers` when servers run as their users (the state folder is private to the hub),
+        else `servers` in the state folder.
+
+            c.LocalGPUSpawner.server_config_root = "/run/gpupool/servers"
+        """,
+    ).tag(config=True)
+
+    @default("server_config_root")
+    def _default_server_config_root(self):
+        return "/run/gpupool/servers" if self.run_as == "user" else str(Path(self.state_dir) / "servers")
 
     allocation_key: str | None = None
     allocation_cards: tuple[str, ...] = ()
@@ -300,7 +318,7 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     @property
     def server_folder(self) -> Path:
         """Private per-server files (DVC's global config, credentials), outside the user's repositories."""
-        return Path(self.state_dir) / "servers" / self.user.name / (f"named-{self.name}" if self.name else "default")
+        return Path(self.server_config_root) / self.user.name / (f"named-{self.name}" if self.name else "default")
 
     def dataset_env(self) -> dict[str, str]:
         """The team remotes as DVC's user-level config, written for this server; its environment variables."""
@@ -310,8 +328,8 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             owner = (account.pw_uid, account.pw_gid)
         parent = self.server_folder.parent
         parent.mkdir(parents=True, exist_ok=True)
-        os.chmod(parent.parent, 0o711)  # users pass through to their own folder, list nothing
-        os.chmod(parent, 0o711)
+        for folder in (parent.parent, parent):  # the hub's: users pass through to their own folder, list nothing
+            os.chmod(folder, 0o711)
         env = write_server_datasets(self.server_folder, self.server_datasets(self.team_root), owner)
         # For `gpupool datasets` in the server: the same team folders and policies as the hub's.
         env["GPUPOOL_TEAM_ROOT"] = self.team_root

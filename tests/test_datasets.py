@@ -497,6 +497,22 @@ def test_nlp_user_can_neither_read_nor_write_the_vision_folder(tmp_path_factory)
         assert made.stdout.strip() == "0007"
         made_dir = folder / "dvc" / "files" / "md5" / "ab"
         assert oct(made_dir.stat().st_mode)[-4:] == "2770" and made_dir.stat().st_gid == grp.getgrnam(vision).gr_gid
+
+        # The server's own DVC config: alice reads it, nadia cannot; what alice plants in it is not written through.
+        spawner.user = type("UserDouble", (), {"name": alice, "groups": [type("G", (), {"name": vision})()]})()
+        spawner.team_root = str(teams)
+        spawner.server_config_root = str(root / "servers")
+        spawner._apply_choice(spawner, {"profile": "cpu"})
+        env = spawner.dataset_env()
+        config = Path(env["DVC_GLOBAL_CONFIG_DIR"]) / "config"
+        assert as_user(alice, "cat", config).stdout == config.read_text() and f'remote "{vision}"' in config.read_text()
+        assert as_user(nadia, "cat", config).returncode != 0
+        victim = root / "victim"
+        victim.write_text("untouched")
+        config.unlink()
+        assert as_user(alice, "ln", "-s", victim, config).returncode == 0
+        spawner.dataset_env()
+        assert victim.read_text() == "untouched" and not config.is_symlink()
     finally:
         for user in (alice, nadia):
             subprocess.run(["userdel", "--remove", user], capture_output=True, check=False)
