@@ -27,6 +27,9 @@ class Settings:
     authenticator: str = "native"
     ledger_url: str = ""
     mlflow_backend_url: str = ""
+    #: The teams' shared folders (data, dataset registries); outside the 0700 state folder when servers run
+    #: as their own users, who could not reach it there.
+    team_root: str = ""
     extra_services: list[dict] = field(default_factory=list)
 
     @property
@@ -66,6 +69,7 @@ class Settings:
             authenticator=env.get("GPUPOOL_AUTHENTICATOR", "native"),
             ledger_url=env.get("GPUPOOL_LEDGER_URL", ""),
             mlflow_backend_url=env.get("GPUPOOL_MLFLOW_BACKEND_URL", ""),
+            team_root=env.get("GPUPOOL_TEAM_ROOT", ""),
         )
 
     def __post_init__(self):
@@ -73,6 +77,11 @@ class Settings:
             object.__setattr__(self, "ledger_url", f"sqlite:///{self.state_dir / 'ledger.sqlite'}")
         if not self.mlflow_backend_url:
             object.__setattr__(self, "mlflow_backend_url", f"sqlite:///{self.state_dir / 'mlflow.sqlite'}")
+        if not self.team_root:
+            # Servers that run as their own users (the hub runs as root) cannot enter the 0700 state folder:
+            # then their teams' folders lie beside it.
+            base = self.state_dir.parent if os.geteuid() == 0 else self.state_dir
+            object.__setattr__(self, "team_root", str(base / "teams"))
 
 
 def proxy_command() -> list[str]:
@@ -138,6 +147,7 @@ def apply_config(c, settings: Settings) -> None:
     c.LocalGPUSpawner.policy_dir = str(settings.policy_dir)
     c.LocalGPUSpawner.state_dir = str(state)
     c.LocalGPUSpawner.ledger_url = settings.ledger_url
+    c.LocalGPUSpawner.team_root = settings.team_root
     c.Spawner.default_url = "/lab"
     c.Spawner.cmd = [str(Path(sys.executable).parent / "jupyterhub-singleuser")]
     c.Spawner.environment = {"GPUPOOL_HUB_URL": settings.url}
@@ -166,6 +176,7 @@ def apply_config(c, settings: Settings) -> None:
         "url": f"http://127.0.0.1:{settings.accounting_port}",
         "command": [sys.executable, "-m", "gpupool.hub.accounting.service"],
         "environment": {"GPUPOOL_STATE_DIR": str(state), "GPUPOOL_POLICIES": str(settings.policy_dir),
+                        "GPUPOOL_TEAM_ROOT": settings.team_root,
                         "GPUPOOL_LEDGER_URL": settings.ledger_url},
         "oauth_no_confirm": True,
         "display": True,

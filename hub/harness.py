@@ -73,6 +73,7 @@ class Hub:
         self.state = tmp / "state"
         (self.state / "jupyterhub_config.d").mkdir(parents=True)
         (self.state / "jupyterhub_config.d" / "harness.py").write_text(service_config(self.token, extra_config))
+        self.team_root = tmp / "teams"
         self.port = free_port_block(5)
         self.ledger_url = ledger_url or f"sqlite:///{self.state / 'ledger.sqlite'}"
         self.mlflow_backend_url = mlflow_backend_url
@@ -87,7 +88,7 @@ class Hub:
         env = dict(os.environ)
         self.process = subprocess.Popen(
             [GPUPOOL, "up", "--state-dir", str(self.state), "--port", str(self.port), "--policies", str(self.policies),
-             "--ledger-url", self.ledger_url,
+             "--ledger-url", self.ledger_url, "--team-root", str(self.team_root),
              *(["--mlflow-backend-url", self.mlflow_backend_url] if self.mlflow_backend_url else [])],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )

@@ -324,7 +324,7 @@ def folder_env(tmp_path_factory):
 
 def test_folder_remote_push_wipe_pull(folder_env, tmp_path):
     env, hub = folder_env
-    teams = hub.state / "teams"
+    teams = hub.team_root
     assert env["GPUPOOL_TEAM"] == "vision" and env["GPUPOOL_TEAM_ROOT"] == str(teams)
     config_dir = Path(env["DVC_GLOBAL_CONFIG_DIR"])
     assert config_dir.is_relative_to(hub.state / "servers" / "alice") and oct(config_dir.parent.stat().st_mode)[-3:] == "700"
@@ -336,8 +336,8 @@ def test_folder_remote_push_wipe_pull(folder_env, tmp_path):
 
 def test_folder_registry(folder_env, tmp_path):
     env, hub = folder_env
-    registry = registry_round_trip(env, tmp_path, str(hub.state / "teams" / "vision" / "dvc"))
-    registry_has_no_credentials(registry, (), str(hub.state / "teams" / "vision"))
+    registry = registry_round_trip(env, tmp_path, str(hub.team_root / "vision" / "dvc"))
+    registry_has_no_credentials(registry, (), str(hub.team_root / "vision"))
 
     # A symlinked folder in the data is refused, and nothing is tagged.
     linked = make_data(tmp_path / "linked", "three")
@@ -356,8 +356,8 @@ def test_folder_registry(folder_env, tmp_path):
     assert listed.returncode == 1
     assert "refused tag cats@v9: cats.dvc has output '../../../etc', which escapes the repository" in listed.stderr
     assert "cats     v1" in listed.stdout and "v9" not in listed.stdout
-    assert [d.name for d in team_datasets(load_policy(hub.policies), "vision", hub.state / "teams").datasets] == ["cats"]
-    assert team_datasets(load_policy(hub.policies), "nlp", hub.state / "teams").datasets == ()
+    assert [d.name for d in team_datasets(load_policy(hub.policies), "vision", hub.team_root).datasets] == ["cats"]
+    assert team_datasets(load_policy(hub.policies), "nlp", hub.team_root).datasets == ()
 
     # The hub's Datasets tab (the accounting service) shows the same to members, and nothing to others.
     hub.add_user("nora", "nlp")
@@ -552,7 +552,7 @@ def test_chart_makes_one_secret_per_team_and_wires_the_spawner_to_it(tmp_path):
                          capture_output=True, text=True, check=True).stdout
     values = yaml.safe_load(out)
     values["jupyterhub"]["enabled"] = False
-    assert values["jupyterhub"]["hub"]["config"]["GPUKubeSpawner"] == {"dataset_secret_name": "pool-datasets-{team}"}
+    assert values["jupyterhub"]["hub"]["config"]["GPUKubeSpawner"]["dataset_secret_name"] == "pool-datasets-{team}"
     values["postgresql"] = {"host": "db", "existingSecret": "pg"}
     values["jupyterhub"]["hub"]["extraEnv"]["PGPASSWORD"] = {"valueFrom": {"secretKeyRef": {"name": "pg", "key": "password"}}}
     values["datasets"] = {"credentials": {"vision": {"accessKeyId": "VK", "secretAccessKey": "vs/+="}}}

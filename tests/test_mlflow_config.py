@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from traitlets.config import Config
 
 from gpupool.hub.config import Settings, apply_config
@@ -51,3 +53,16 @@ def test_a_servers_mlflow_environment_and_token_scopes():
         assert "mlflow_url" in spawner_class.class_traits(config=True)
         assert spawner_class.get_env.__qualname__ != "GPUPoolSpawnerMixin.get_env"  # each adds its own …
         assert GPUPoolSpawnerMixin in spawner_class.__mro__  # … on top of the mixin's, which sets MLflow's
+
+
+def test_the_team_root_is_one_setting_for_the_servers_and_the_datasets_tab(tmp_path):
+    c = Config()
+    apply_config(c, Settings(state_dir=tmp_path))
+    (accounting,) = [s for s in c.JupyterHub.services if s["name"] == "accounting"]
+    # Beside the 0700 state folder when servers may run as their own users (root), else inside it.
+    default = tmp_path.parent / "teams" if os.geteuid() == 0 else tmp_path / "teams"
+    assert c.LocalGPUSpawner.team_root == accounting["environment"]["GPUPOOL_TEAM_ROOT"] == str(default)
+    c = Config()
+    apply_config(c, Settings(state_dir=tmp_path, team_root="/srv/gpupool/teams"))
+    (accounting,) = [s for s in c.JupyterHub.services if s["name"] == "accounting"]
+    assert c.LocalGPUSpawner.team_root == accounting["environment"]["GPUPOOL_TEAM_ROOT"] == "/srv/gpupool/teams"
