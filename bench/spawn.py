@@ -52,8 +52,8 @@ def main() -> None:
     parser.add_argument("--spawns", type=int, default=10)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        gpu = Hub(Path(tmp) / "gpupool", POLICY, SELF)
-        plain = Hub(Path(tmp) / "simple", POLICY, SIMPLE)
+        gpu = Hub(Path(tmp) / "gpupool", POLICY, SELF, mlflow=False)
+        plain = Hub(Path(tmp) / "simple", POLICY, SIMPLE, mlflow=False)
         try:
             gpu.start()
             plain.start()

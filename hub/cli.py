@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="folder of the teams' shared folders and dataset registries (default: teams/ in the state "
                          "folder; when servers run as their users, e.g. as root: a folder outside the state "
                          "folder, which only the hub may enter, such as /srv/gpupool/teams)")
+    up.add_argument("--no-mlflow", action="store_true",
+                    help="run without the MLflow service (servers then get no MLFLOW_* variables)")
     up.add_argument("--mlflow-backend-url",
                     help="MLflow's runs and model registry database (default: sqlite in the state folder; "
                          "production: postgresql+psycopg://USER@HOST/DB)")

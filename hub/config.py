@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpupool.hub.wiring import ACCOUNTING_SERVICE, MLFLOW_SERVICE, service_roles, team_groups
+from gpupool.hub.wiring import ACCOUNTING_SERVICE, MLFLOW_ROLE, MLFLOW_SERVICE, service_roles, team_groups
 from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +30,8 @@ class Settings:
     #: The teams' shared folders (data, dataset registries); outside the 0700 state folder when servers run
     #: as their own users, who could not reach it there.
     team_root: str = ""
+    #: Run the MLflow service (off: servers get no MLFLOW_* variables).
+    mlflow: bool = True
     extra_services: list[dict] = field(default_factory=list)
 
     @property
@@ -70,6 +72,7 @@ class Settings:
             ledger_url=env.get("GPUPOOL_LEDGER_URL", ""),
             mlflow_backend_url=env.get("GPUPOOL_MLFLOW_BACKEND_URL", ""),
             team_root=env.get("GPUPOOL_TEAM_ROOT", ""),
+            mlflow=env.get("GPUPOOL_MLFLOW", "1") != "0",
         )
 
     def __post_init__(self):
@@ -151,7 +154,7 @@ def apply_config(c, settings: Settings) -> None:
     c.Spawner.default_url = "/lab"
     c.Spawner.cmd = [str(Path(sys.executable).parent / "jupyterhub-singleuser")]
     c.Spawner.environment = {"GPUPOOL_HUB_URL": settings.url}
-    c.LocalGPUSpawner.mlflow_url = settings.mlflow_url
+    c.LocalGPUSpawner.mlflow_url = settings.mlflow_url if settings.mlflow else ""
 
     if settings.authenticator == "native":
         c.JupyterHub.authenticator_class = "gpupool.hub.auth.GPUPoolNativeAuthenticator"
@@ -181,7 +184,9 @@ def apply_config(c, settings: Settings) -> None:
         "oauth_no_confirm": True,
         "display": True,
     })
-    services.append(mlflow_service(settings))
-    roles += [{"name": name, **role} for name, role in service_roles().items()]
+    if settings.mlflow:
+        services.append(mlflow_service(settings))
+    roles += [{"name": name, **role} for name, role in service_roles().items()
+              if settings.mlflow or name != MLFLOW_ROLE]
     c.JupyterHub.services = services + list(settings.extra_services)
     c.JupyterHub.load_roles = roles

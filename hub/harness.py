@@ -64,7 +64,7 @@ class Hub:
     """A `gpupool up` process and a REST client for it."""
 
     def __init__(self, tmp: Path, policy_files: dict[str, str], extra_config: str = "", ledger_url: str | None = None,
-                 mlflow_backend_url: str | None = None):
+                 mlflow_backend_url: str | None = None, mlflow: bool = True):
         self.token = uuid.uuid4().hex
         self.policies = tmp / "policies"
         self.policies.mkdir(parents=True)
@@ -77,6 +77,7 @@ class Hub:
         self.port = free_port_block(5)
         self.ledger_url = ledger_url or f"sqlite:///{self.state / 'ledger.sqlite'}"
         self.mlflow_backend_url = mlflow_backend_url
+        self.mlflow = mlflow  # tests that do not use MLflow start faster without it
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
         self.log = tmp / "hub.log"
@@ -89,7 +90,8 @@ class Hub:
         self.process = subprocess.Popen(
             [GPUPOOL, "up", "--state-dir", str(self.state), "--port", str(self.port), "--policies", str(self.policies),
              "--ledger-url", self.ledger_url, "--team-root", str(self.team_root),
-             *(["--mlflow-backend-url", self.mlflow_backend_url] if self.mlflow_backend_url else [])],
+             *(["--mlflow-backend-url", self.mlflow_backend_url] if self.mlflow_backend_url else []),
+             *([] if self.mlflow else ["--no-mlflow"])],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         # The hub answers once its managed services are up (MLflow takes a while on a busy machine).

@@ -70,6 +70,7 @@ def up(args: argparse.Namespace) -> int:
         "GPUPOOL_AUTHENTICATOR": args.authenticator,
         "GPUPOOL_LEDGER_URL": args.ledger_url or f"sqlite:///{state / 'ledger.sqlite'}",
         "GPUPOOL_MLFLOW_BACKEND_URL": getattr(args, "mlflow_backend_url", None) or "",
+        "GPUPOOL_MLFLOW": "0" if getattr(args, "no_mlflow", False) else "1",
         "GPUPOOL_TEAM_ROOT": str(Path(args.team_root).resolve()) if getattr(args, "team_root", None) else "",
     }
     jupyterhub = Path(sys.executable).parent / "jupyterhub"

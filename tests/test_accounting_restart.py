@@ -50,7 +50,7 @@ def hub(request, tmp_path):
     ledger_url = None
     if request.param == "postgresql":
         ledger_url = request.getfixturevalue("postgres_server").create_database("restart")
-    hub = Hub(tmp_path, POLICY, FAST, ledger_url=ledger_url)
+    hub = Hub(tmp_path, POLICY, FAST, ledger_url=ledger_url, mlflow=False)
     hub.start()
     yield hub
     hub.stop()
@@ -148,7 +148,7 @@ SERVICE_ONLY = FAST.replace("c.Spawner.poll_interval = 1", "c.Spawner.poll_inter
 
 def test_a_server_missing_from_the_ledger_is_opened_by_the_service(tmp_path):
     """A lost write (here: the row deleted) is repaired from the hub's REST API, at the hub's `started` time."""
-    hub = Hub(tmp_path, POLICY, SERVICE_ONLY)
+    hub = Hub(tmp_path, POLICY, SERVICE_ONLY, mlflow=False)
     hub.start()
     try:
         hub.add_user("bob", "vision")

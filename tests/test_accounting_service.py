@@ -39,7 +39,7 @@ def hub(request, tmp_path_factory):
     ledger_url = None
     if request.param == "postgresql":
         ledger_url = request.getfixturevalue("postgres_server").create_database("accounting")
-    hub = Hub(tmp_path_factory.mktemp("accounting"), POLICY, SELF, ledger_url=ledger_url)
+    hub = Hub(tmp_path_factory.mktemp("accounting"), POLICY, SELF, ledger_url=ledger_url, mlflow=False)
     hub.start()
     now = utcnow().replace(microsecond=0)
     # Two finished intervals and a running one, all this month (the first hours of a month are enough).

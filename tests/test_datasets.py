@@ -314,7 +314,7 @@ def stop(hub: Hub) -> None:
 @pytest.fixture(scope="module")
 def folder_env(tmp_path_factory):
     """A real `vision` server's environment on a hub with folder storage; alice is in vision and nlp."""
-    hub = Hub(tmp_path_factory.mktemp("datasets-folder"), POLICY, 'c.LocalGPUSpawner.run_as = "self"\n')
+    hub = Hub(tmp_path_factory.mktemp("datasets-folder"), POLICY, 'c.LocalGPUSpawner.run_as = "self"\n', mlflow=False)
     hub.start()
     try:
         yield server_env(hub, "alice", ["vision", "nlp"], "vision"), hub
@@ -394,7 +394,7 @@ def s3_env(tmp_path_factory, s3_server):
     policy = {**POLICY, "datasets.yaml": f"datasets:\n  storage: s3\n  s3: {{endpoint_url: '{s3_server.endpoint}', "
                                          "region: us-east-1}\n"}
     hub = Hub(tmp, policy, f'c.LocalGPUSpawner.run_as = "self"\n'
-                           f'c.LocalGPUSpawner.dataset_credentials_file = {str(credentials)!r}')
+                           f'c.LocalGPUSpawner.dataset_credentials_file = {str(credentials)!r}', mlflow=False)
     hub.start()
     try:
         yield server_env(hub, "bob", ["vision"], "vision"), s3_server, tmp
