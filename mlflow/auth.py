@@ -18,7 +18,8 @@ from urllib.parse import parse_qs, quote, urlencode
 
 import anyio
 
-from gpupool.mlflow.cost import COST_TAGS, run_cost
+from gpupool.hub.accounting import periods
+from gpupool.mlflow.cost import run_cost
 from gpupool.mlflow.permissions import (
     TEAM_TAG,
     Refused,
@@ -51,10 +52,6 @@ GRAPHQL_FIELDS = {
     "mlflowGetMetricHistoryBulkInterval": ("runIds", "runs"),
     "mlflowSearchRuns": ("experimentIds", "experiments"),
 }
-
-
-def utcnow() -> datetime:
-    return datetime.now(timezone.utc)
 
 
 def _iso(moment: datetime) -> str:
@@ -451,7 +448,7 @@ class Gate:
 
     def record_alias(self, viewer: Viewer, name: str, alias: str, version: str | None, previous: str | None):
         """Alias history as model-version tags, shown on the version's page in the MLflow UI."""
-        now = _iso(utcnow())
+        now = _iso(periods.utcnow())
         if version is not None:
             self.stores.set_version_tags(name, version, {
                 f"gpupool.alias.{alias}.set_by": viewer.name,
@@ -472,7 +469,7 @@ class Gate:
         user = tags.get("gpupool.user") or run.info.user_id
         team = tags.get("gpupool.team") or self.stores.experiment_team(run.info.experiment_id)
         start = datetime.fromtimestamp(run.info.start_time / 1000, timezone.utc)
-        end = datetime.fromtimestamp((run.info.end_time or int(utcnow().timestamp() * 1000)) / 1000, timezone.utc)
+        end = datetime.fromtimestamp((run.info.end_time or int(periods.utcnow().timestamp() * 1000)) / 1000, timezone.utc)
         if not user or not team:
             return
         intervals = self.ledger.intervals_overlapping(start, end, user=user, team=team)

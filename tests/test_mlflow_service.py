@@ -7,10 +7,8 @@ real hub users' tokens against the service through the real proxy.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import textwrap
-import time
 from datetime import timedelta
 from fractions import Fraction
 from pathlib import Path
