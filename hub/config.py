@@ -12,6 +12,8 @@ from gpupool.hub.wiring import ACCOUNTING_SERVICE, MLFLOW_ROLE, MLFLOW_SERVICE, 
 from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+#: gpupool's overrides of JupyterHub's page templates (the home page of a user in no team).
+TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 #: The scopes of the `gpupool-cli` service (used by `gpupool team add-member`): nothing more.
 CLI_SCOPES = ["admin:groups", "admin:users", "list:users", "read:users", "list:groups", "read:groups"]
@@ -129,6 +131,26 @@ def mlflow_service(settings: Settings) -> dict:
     }
 
 
+def home_page_teams(policy_dir: Path):
+    """`JupyterHub.template_vars["gpupool"]`: for the home page, the user's teams and every team's leads.
+
+    Read from the current policies (and the user's hub groups, which `gpupool team add-member` changes) at
+    each page, so a user added to a team sees the Start button on their next visit.
+    """
+    def teams(user) -> dict:
+        from gpupool.spawner.mixin import current_policy  # the hub layer may use the spawner's policy cache
+
+        policy = current_policy(policy_dir)
+        if user is None:
+            return {"teams": [], "leads": []}
+        groups = {getattr(g, "name", g) for g in getattr(user, "groups", []) or []}
+        mine = sorted((groups | set(policy.teams_of(user.name))
+                       | {t for t, team in policy.teams.items() if user.name in team.leads}) & set(policy.teams))
+        return {"teams": mine, "leads": [(t, sorted(team.leads)) for t, team in sorted(policy.teams.items())
+                                         if team.leads]}
+    return teams
+
+
 def apply_config(c, settings: Settings) -> None:
     """Set the traits of a traitlets Config `c` for the embedded platform."""
     policy = load_policy(settings.policy_dir)
@@ -145,6 +167,8 @@ def apply_config(c, settings: Settings) -> None:
     # Restarting gpupool must not stop running servers: they are re-adopted with their allocations.
     c.JupyterHub.cleanup_servers = False
     c.JupyterHub.cleanup_proxy = True
+    c.JupyterHub.template_paths = [str(TEMPLATES)]
+    c.JupyterHub.template_vars = {"gpupool": home_page_teams(settings.policy_dir)}
 
     c.JupyterHub.spawner_class = "gpupool.spawner.local.LocalGPUSpawner"
     c.LocalGPUSpawner.policy_dir = str(settings.policy_dir)
@@ -180,7 +204,10 @@ def apply_config(c, settings: Settings) -> None:
         "command": [sys.executable, "-m", "gpupool.hub.accounting.service"],
         "environment": {"GPUPOOL_STATE_DIR": str(state), "GPUPOOL_POLICIES": str(settings.policy_dir),
                         "GPUPOOL_TEAM_ROOT": settings.team_root,
-                        "GPUPOOL_LEDGER_URL": settings.ledger_url},
+                        "GPUPOOL_LEDGER_URL": settings.ledger_url,
+                        # what the hub's navigation bar lists under Services for every user, on its pages too
+                        "GPUPOOL_NAV_SERVICES": ",".join([ACCOUNTING_SERVICE] + ([MLFLOW_SERVICE] if settings.mlflow
+                                                                                 else []))},
         "oauth_no_confirm": True,
         "display": True,
     })

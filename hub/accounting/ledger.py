@@ -602,11 +602,15 @@ class Ledger:
             return self._sum(connection, bounds, now or periods.utcnow(), tuple(by), team=team)
 
     def queue_waits(self, period: str, *, team: str | None = None) -> dict[str, QueueWaits]:
-        """How long the runs that started in `period` waited in the queue before they were placed, per team."""
+        """How long the runs that started in `period` and waited (a second or more) waited in the queue, per team.
+
+        Runs placed at once (a wait of 0 s on record) are left out: they would pull the mean towards 0 and
+        count as "waited" in every figure made from this.
+        """
         start, end = (_seconds(t, "period") for t in periods.period_bounds(period))
         c = INTERVALS.c
         query = (sa.select(c.team, sa.func.count(), sa.func.sum(c.queue_wait_s), sa.func.max(c.queue_wait_s))
-                 .where(c.queue_wait_s.is_not(None), _as_int(c.start_at) >= start, _as_int(c.start_at) < end)
+                 .where(c.queue_wait_s > 0, _as_int(c.start_at) >= start, _as_int(c.start_at) < end)
                  .group_by(c.team))
         if team is not None:
             query = query.where(c.team == team)

@@ -9,29 +9,32 @@ everything. Another team's data answers 404, so that its existence does not leak
 from __future__ import annotations
 
 import asyncio
-import html
 import json
 import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from decimal import Decimal
 from fractions import Fraction
+from http.client import responses
 from pathlib import Path
-from urllib.parse import urlparse
+from urllib.parse import urlencode, urlparse
 
 import requests
+from jinja2 import ChoiceLoader, Environment, FileSystemLoader, PrefixLoader
+from jupyterhub._data import DATA_FILES_PATH
 from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from markupsafe import Markup
 from tornado import ioloop, web
 
-from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import format_hours, reached_alerts
+from gpupool.hub.accounting import charts, periods
+from gpupool.hub.accounting.admission import format_hours, format_share, reached_alerts
 from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.reports import (
-    MAX_TOP, bar_chart, capacity_of, column_chart, daily_utilisation, queue_waits, running_servers, team_daily,
-    top_consumers,
+    MAX_TOP, capacity_of, daily_utilisation, queue_waits, running_servers, team_daily, top_consumers, user_usage,
 )
 from gpupool.hub.accounting.servers import HubClient, reconcile_with_hub
 from gpupool.hub.datasets import DatasetError, human_size, team_datasets, team_registry
@@ -58,8 +61,32 @@ class Viewer:
         return self.admin or team in self.leads
 
 
+#: The hub's own templates (page.html, error.html) that the accounting pages extend, so they look like the hub.
+HUB_TEMPLATES = Path(DATA_FILES_PATH) / "templates"
+#: gpupool's overrides of the hub's templates (the hub loads them first too) and the accounting pages' own.
+GPUPOOL_HUB_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+
+
+def page_templates() -> Environment:
+    """Jinja templates the way the hub loads them: ours first, the hub's as `page.html` or `templates/page.html`."""
+    return Environment(autoescape=True, loader=ChoiceLoader([
+        FileSystemLoader([str(TEMPLATES)]),
+        PrefixLoader({"templates": FileSystemLoader([str(HUB_TEMPLATES)])}, "/"),
+        FileSystemLoader([str(GPUPOOL_HUB_TEMPLATES), str(HUB_TEMPLATES)]),
+    ]))
+
+
+def wants_json(path: str, prefix: str, accept: str) -> bool:
+    """API routes always answer JSON; a page answers HTML only to a client that asks for it (a browser does)."""
+    route = path[len(prefix):] if path.startswith(prefix) else path.lstrip("/")
+    if route.startswith("api/") or route in ("metrics", "openapi.json"):
+        return True
+    return "text/html" not in accept
+
+
 class AccountingHandler(HubOAuthenticated, web.RequestHandler):
-    """Base: authentication, body limit, JSON errors that never leak a traceback."""
+    """Base: authentication, body limit, the hub's page frame; errors as the hub's error page or as JSON."""
 
     @property
     def ledger(self) -> Ledger:
@@ -77,8 +104,47 @@ class AccountingHandler(HubOAuthenticated, web.RequestHandler):
     def write_error(self, status_code: int, **kwargs):
         error = kwargs.get("exc_info", (None, None))[1]
         message = error.log_message if isinstance(error, web.HTTPError) and error.log_message else self._reason
-        self.set_header("Content-Type", "application/json")
-        self.finish(json.dumps({"status": status_code, "message": message}))
+        if wants_json(self.request.path, self.settings["prefix"], self.request.headers.get("Accept", "")):
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps({"status": status_code, "message": message}))
+            return
+        try:
+            user = self.current_user
+        except Exception:  # the error may be the hub's answer about this very user: show the page without them
+            user = None
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.finish(self.settings["templates"].get_template("error.html").render(
+            **self.hub_namespace(user), status_code=status_code,
+            status_message=responses.get(status_code, "Error"), message=message))
+
+    def hub_namespace(self, user: dict | None) -> dict:
+        """What the hub's page.html needs to draw its navigation bar, from the service's side of the proxy."""
+        base = self.settings["base_url"]
+        hub = base + "hub/"
+        return {
+            "base_url": hub, "prefix": base, "logo_url": hub + "home", "login_url": hub + "login",
+            "logout_url": hub + "logout", "version_hash": "", "xsrf_token": "", "no_spawner_check": True,
+            "static_url": lambda path, include_version=True: hub + "static/" + path,
+            "user": {"name": user["name"], "json_escaped_name": json.dumps(user["name"])[1:-1]} if user else None,
+            "parsed_scopes": {"admin-ui"} if user and user.get("admin") else set(),
+            "services": [{"name": name, "href": f"{base}services/{name}/"} for name in self.settings["nav_services"]],
+            "hub_home": hub + "home",
+        }
+
+    def render_page(self, template: str, title: str, tab: str, **values) -> None:
+        viewer = self.viewer()
+        tabs = [("./", "Usage", "usage")]
+        tabs += [(f"teams/{t}", f"Team {t}", f"team:{t}") for t in sorted(viewer.teams | viewer.leads)]
+        tabs.append(("datasets", "Datasets", "datasets"))
+        if viewer.admin:
+            tabs.append(("admin", "All teams", "admin"))
+        # Pages under teams/ link relative to the service's root.
+        root = "../" if tab.startswith("team:") else ""
+        tabs = [(href if href.startswith("../") else root + href, label, key) for href, label, key in tabs]
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.finish(self.settings["templates"].get_template(template).render(
+            **self.hub_namespace(self.current_user), title=title, tab=tab, tabs=tabs, user_admin=viewer.admin,
+            currency=self.policy.billing.currency, alerts=values.pop("alerts", []), **values))
 
     def viewer(self) -> Viewer:
         user = self.current_user
@@ -107,21 +173,6 @@ class AccountingHandler(HubOAuthenticated, web.RequestHandler):
         if not viewer.admin:
             raise web.HTTPError(403, "admins only")
         return viewer
-
-    def lead_team_or_404(self, team: str) -> str:
-        """`team` when the viewer leads it (or is an admin); 404 otherwise, whether or not it exists."""
-        if team not in self.policy.teams or not self.viewer().may_see_members(team):
-            raise web.HTTPError(404, f"no team {team!r} that you lead")
-        return team
-
-    def write_page(self, title: str, body: str) -> None:
-        self.set_header("Content-Type", "text/html; charset=utf-8")
-        self.finish(
-            f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            "<style>body{font-family:sans-serif;margin:2em}section{margin:1.5em 0}"
-            "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}</style>"
-            f"</head><body><h1>{html.escape(title)}</h1>{body}</body></html>"
-        )
 
     def team_or_404(self, team: str) -> str:
         if team not in self.policy.teams or not self.viewer().may_see_team(team):
@@ -162,9 +213,11 @@ class MeHandler(AccountingHandler):
         policy, now = self.policy, periods.utcnow()
         period = self.period_argument()
         running = running_servers(self.ledger, policy, viewer.name, now)
-        mine = self.ledger.gpu_hours(period, ("user",)).get((viewer.name,), Fraction(0))
+        mine = user_usage(self.ledger, policy, viewer.name, period)
         self.write_json({
-            "user": viewer.name, "admin": viewer.admin, "period": period, "gpu_hours": _hours(mine),
+            "user": viewer.name, "admin": viewer.admin, "period": period,
+            "gpu_hours": _hours(sum((u["gpu_hours"] for u in mine.values()), Fraction(0))),
+            "cost": str(sum((u["cost"] for u in mine.values()), Decimal("0.00"))),
             "currency": policy.billing.currency, "running": running,
             "teams": [team_summary(self.ledger, policy, t, period, viewer.may_see_members(t))
                       for t in sorted(viewer.teams | viewer.leads)],
@@ -238,20 +291,53 @@ def admin_report(ledger: Ledger, policy, period: str, top: int) -> dict:
     }
 
 
-def team_report(ledger: Ledger, policy, team: str, period: str, top: int) -> dict:
-    """Everything a team lead's page shows, as JSON."""
-    return {
-        **team_summary(ledger, policy, team, period, True),
+def team_report(ledger: Ledger, policy, team: str, period: str, top: int, members: bool = True) -> dict:
+    """Everything a team's page shows, as JSON: with each member's figures for its leads and admins
+    (`members`), without them for a member, who sees the team's totals, days and queue."""
+    report = {
+        **team_summary(ledger, policy, team, period, members),
         "daily": team_daily(ledger, team, period),
         "queue_waits": queue_waits(ledger, period, team=team).get(team),
-        "top_consumers": top_consumers(ledger, period, top, team=team),
     }
+    if members:
+        report["top_consumers"] = top_consumers(ledger, period, top, team=team)
+    return report
 
 
-def _table(headers: list[str], rows: list[list]) -> str:
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in row) + "</tr>" for row in rows)
-    return f"<table><tr>{head}</tr>{body}</table>"
+# --- the pages: the same figures as the JSON routes, for people ---------------------------------------------
+
+
+def hours_text(hours: Fraction) -> str:
+    """GPU-hours on a page: two decimals, or three significant digits below 0.01 so a short run is not "0"."""
+    if 0 < hours < Fraction(1, 100):
+        return f"{float(hours):.3g}"
+    return format_hours(hours)
+
+
+def money(value: Decimal | str, currency: str) -> str:
+    return f"{Decimal(value):,.2f} {currency}"
+
+
+def percent(used: Fraction, of: Fraction) -> str:
+    """A share of a budget for people: 0.15 %, 7.5 %, 100 %."""
+    value = float(used / of * 100) if of else 0.0
+    text = f"{value:.2f}" if value < 1 else f"{value:.1f}"
+    return text.rstrip("0").rstrip(".") + " %"
+
+
+def period_name(period: str) -> str:
+    return periods.period_bounds(period)[0].strftime("%B %Y")
+
+
+def queue_text(waits: dict | None) -> str:
+    """"1 run waited, 63 s" / "3 runs waited, 20.5 s on average, 40 s at most" / "no run waited"."""
+    if not waits:
+        return "No run waited in the queue this period."
+    runs = waits["runs"]
+    if runs == 1:
+        return f"1 run waited in the queue, {waits['longest_seconds']} s."
+    return (f"{runs} runs waited in the queue, {waits['mean_seconds']} s on average, "
+            f"{waits['longest_seconds']} s at most.")
 
 
 class AdminReportHandler(AccountingHandler):
@@ -267,63 +353,87 @@ class AdminPageHandler(AccountingHandler):
     @web.authenticated
     def get(self):
         self.admin_or_403()
-        period = self.period_argument()
-        report = admin_report(self.ledger, self.policy, period, self.top_argument())
-        sections = []
-        for model, days in report["utilisation_daily"].items():
-            sections.append(column_chart(
-                f"{model} utilisation per day ({report['capacity_cards'][model]} cards)",
-                [(d["day"], float(d["utilisation"])) for d in days], "of capacity", top=1.0))
-        sections.append(bar_chart(f"Teams: GPU-hours in {period}",
-                                  [(t["team"], float(Fraction(t["gpu_hours"]))) for t in report["teams"]], "GPU-h"))
-        sections.append(bar_chart("Top consumers", [(f'{c["user"]} ({c["team"]})', float(Fraction(c["gpu_hours"])))
-                                                    for c in report["top_consumers"]], "GPU-h"))
-        waits = report["queue_waits"]
-        sections.append(bar_chart("Mean queue wait per team", [(t, float(w["mean_seconds"])) for t, w in waits.items()],
-                                  "s"))
-        sections.append(_table(["team", "runs that queued", "mean wait (s)", "longest wait (s)"],
-                               [[t, w["runs"], w["mean_seconds"], w["longest_seconds"]] for t, w in waits.items()]))
-        sections.append(_table(["team", "GPU-hours", "budget", "used"],
-                               [[t["team"], t["gpu_hours"], t["budget_gpu_hours"] or "none", t["budget_used"] or "-"]
-                                for t in report["teams"]]))
-        links = " · ".join(f"<a href='teams/{html.escape(t)}?period={period}'>{html.escape(t)}</a>"
-                           for t in self.policy.teams)
-        self.write_page(f"gpupool: all teams, {period}",
-                        "".join(f"<section>{s}</section>" for s in sections)
-                        + f"<p>Teams: {links}</p><p><a href='api/admin/report?period={period}'>as JSON</a></p>")
+        policy, period = self.policy, self.period_argument()
+        report = admin_report(self.ledger, policy, period, self.top_argument())
+        name = period_name(period)
+        utilisation_charts = [Markup(charts.utilisation_chart(
+            f"{model}: utilisation per day ({report['capacity_cards'][model]} cards), {name}",
+            [(d["day"], float(d["utilisation"])) for d in days]))
+            for model, days in report["utilisation_daily"].items()]
+        usage = self.ledger.usage(period)
+        budgets = [(t["team"], float(t["budget_gpu_hours"])) for t in report["teams"] if t["budget_gpu_hours"]]
+        teams = []
+        for t in report["teams"]:
+            used = self.ledger.gpu_hours(period, ("team",), team=t["team"]).get((t["team"],), Fraction(0))
+            costs = user_usage_of_team(self.ledger, policy, t["team"], period)
+            teams.append({"name": t["team"], "hours": hours_text(used), "budget": t["budget_gpu_hours"],
+                          "used_percent": percent(used, Fraction(t["budget_gpu_hours"])) if t["budget_gpu_hours"]
+                          else None, "cost": money(costs, policy.billing.currency),
+                          "href": f"teams/{t['team']}?period={period}",
+                          "bill": f"api/teams/{t['team']}/bill?format=html&period={period}"})
+        alerts = [a.message for t in policy.teams for a in reached_alerts(policy, t, usage)]
+        self.render_page(
+            "admin.html", f"All teams, {name}", "admin", period_name=name, alerts=alerts,
+            utilisation_charts=utilisation_charts,
+            teams_chart=Markup(charts.bar_chart(
+                f"Teams: GPU-hours in {name}" + (" (budgets: " + ", ".join(f"{t} {charts._number(b)}"
+                                                                         for t, b in budgets) + " GPU-h)"
+                                                 if budgets else ""),
+                [(t["team"], float(Fraction(t["gpu_hours"]))) for t in report["teams"]], "GPU-h")),
+            top_chart=Markup(charts.bar_chart(f"Top consumers in {name}", [
+                (f'{c["user"]} ({c["team"]})', float(Fraction(c["gpu_hours"]))) for c in report["top_consumers"]],
+                "GPU-h")),
+            waits=list(report["queue_waits"].items()), teams=teams,
+            json_href="api/admin/report?" + urlencode({"period": period}))
+
+
+def user_usage_of_team(ledger: Ledger, policy, team: str, period: str) -> Decimal:
+    """What `team` owes for `period` so far (its bill's total)."""
+    return bill_for(ledger, policy, team, period).total
 
 
 class TeamReportHandler(AccountingHandler):
     @web.authenticated
     def get(self, team: str):
-        team = self.lead_team_or_404(team)
-        self.write_json(team_report(self.ledger, self.policy, team, self.period_argument(), self.top_argument()))
+        team = self.team_or_404(team)
+        self.write_json(team_report(self.ledger, self.policy, team, self.period_argument(), self.top_argument(),
+                                    self.viewer().may_see_members(team)))
 
 
 class TeamPageHandler(AccountingHandler):
-    """Team leads (and admins): the team's users, its GPU-hours per day, its queue waits."""
+    """A team's page: its totals against its budget, its days and its queue for every member; each member's
+    GPU-hours, the top consumers and the bill for its leads and admins."""
 
     @web.authenticated
     def get(self, team: str):
-        team = self.lead_team_or_404(team)
-        period = self.period_argument()
-        report = team_report(self.ledger, self.policy, team, period, self.top_argument())
-        budget = float(report["budget_gpu_hours"]) if report["budget_gpu_hours"] else None
-        sections = [
-            bar_chart(f"Team {team}: GPU-hours in {period}", [(team, float(Fraction(report["gpu_hours"])))],
-                      "GPU-h", budget),
-            column_chart(f"Team {team}: GPU-hours per day", [(d["day"], float(Fraction(d["gpu_hours"])))
-                                                             for d in report["daily"]], "GPU-h"),
-            bar_chart(f"Members of {team}", [(u, float(Fraction(h))) for u, h in report["users"].items()], "GPU-h"),
-        ]
-        waits = report["queue_waits"]
-        sections.append("<p>Queue: " + (f"{waits['runs']} run(s) waited, {waits['mean_seconds']} s on average, "
-                                        f"{waits['longest_seconds']} s at most" if waits else "no run waited")
-                        + "</p>")
-        self.write_page(f"gpupool: team {team}, {period}",
-                        "".join(f"<section>{s}</section>" for s in sections)
-                        + f"<p><a href='../api/teams/{html.escape(team)}/report?period={period}'>as JSON</a> · "
-                          f"<a href='../api/teams/{html.escape(team)}/bill?format=html&amp;period={period}'>bill</a></p>")
+        team = self.team_or_404(team)
+        viewer, policy, period = self.viewer(), self.policy, self.period_argument()
+        lead = viewer.may_see_members(team)
+        report = team_report(self.ledger, policy, team, period, self.top_argument(), lead)
+        name, currency = period_name(period), policy.billing.currency
+        used = self.ledger.gpu_hours(period, ("team",), team=team).get((team,), Fraction(0))
+        budget = report["budget_gpu_hours"]
+        mine = user_usage(self.ledger, policy, viewer.name, period).get(team, {})
+        members_chart = None
+        if lead:
+            members_chart = Markup(charts.bar_chart(f"Members of {team}: GPU-hours in {name}", [
+                (u, float(Fraction(h))) for u, h in report["users"].items()], "GPU-h"))
+        self.render_page(
+            "team.html", f"Team {team}, {name}", f"team:{team}", period_name=name, lead=lead,
+            leads=sorted(policy.teams[team].leads),
+            alerts=[a.message for a in reached_alerts(policy, team, self.ledger.usage(period))],
+            hours=hours_text(used), budget=budget, on_exhausted=report["on_exhausted"], resets=report["resets"],
+            used_percent=percent(used, Fraction(budget)) if budget else None,
+            mine=hours_text(mine.get("gpu_hours", Fraction(0))),
+            my_cost=money(mine.get("cost", Decimal(0)), currency),
+            total_chart=Markup(charts.bar_chart(f"Team {team}: GPU-hours in {name}", [(team, float(used))], "GPU-h",
+                                                limit=float(budget) if budget else None)),
+            daily_chart=Markup(charts.daily_chart(f"Team {team}: GPU-hours per day, {name}", [
+                (d["day"], float(Fraction(d["gpu_hours"]))) for d in report["daily"]], "GPU-h")),
+            members_chart=members_chart, queue=queue_text(report["queue_waits"]),
+            top=report.get("top_consumers"),
+            json_href=f"../api/teams/{team}/report?" + urlencode({"period": period}),
+            bill_href=f"../api/teams/{team}/bill?" + urlencode({"format": "html", "period": period}) if lead else None)
 
 
 class TeamDatasetsHandler(AccountingHandler):
@@ -355,23 +465,12 @@ class DatasetsPageHandler(AccountingHandler):
         sections = []
         for team in teams:
             found = await datasets_of(policy, team, self.settings["team_root"])
-            title = f"<h2>Team {html.escape(team)}</h2>"
-            if found["registry"] is None:
-                sections.append(title + "<p>No dataset registry yet: a member creates it with "
-                                f"<code>gpupool datasets init --team {html.escape(team)}</code>.</p>"
-                                + "".join(f"<p>{html.escape(p)}</p>" for p in found["problems"]))
-                continue
             rows = [[d["name"], v["version"], human_size(v["size"]), "?" if v["files"] is None else v["files"],
                      v["date"], v["commit"][:10]] for d in found["datasets"] for v in d["versions"]]
             example = next(((d["name"], d["versions"][-1]["rev"]) for d in found["datasets"] if d["versions"]), None)
-            how = (f"<p>Get a version: <code>dvc import {html.escape(found['registry'])} {html.escape(example[0])} "
-                   f"--rev {html.escape(example[1])}</code> (or <code>dvc get</code>)</p>" if example else "")
-            sections.append(title + f"<p>Registry: <code>{html.escape(found['registry'])}</code></p>"
-                            + (_table(["dataset", "version", "size", "files", "date", "commit"], rows) if rows
-                               else "<p>No dataset yet: <code>gpupool datasets add NAME FOLDER --version v1</code></p>")
-                            + how + "".join(f"<p>⚠ {html.escape(p)}</p>" for p in found["problems"]))
-        self.write_page("gpupool: datasets", TABS + "".join(f"<section>{s}</section>" for s in sections)
-                        + "<p><a href='api/teams/TEAM/datasets'>as JSON</a>: api/teams/&lt;team&gt;/datasets</p>")
+            sections.append({"team": team, "registry": found["registry"], "rows": rows, "example": example,
+                             "problems": found["problems"]})
+        self.render_page("datasets.html", "Datasets", "datasets", sections=sections)
 
 
 class MetricsHandler(AccountingHandler):
@@ -407,10 +506,11 @@ class _Collector:
         yield budget
         # The live queue length and wait histogram are the hub's (/hub/metrics, where the queue is); these
         # are the waits the ledger recorded this period, which survive restarts.
-        waited = GaugeMetricFamily("gpupool_queue_waited_runs", "Runs this period that waited in the queue",
-                                   labels=["team"])
-        mean = GaugeMetricFamily("gpupool_queue_wait_mean_seconds", "Mean queue wait of this period's runs",
-                                 labels=["team"])
+        # Only runs that waited (a second or more) count: runs placed at once are not queue waits.
+        waited = GaugeMetricFamily("gpupool_queue_waited_runs",
+                                   "Runs this period that waited in the queue (1 s or more)", labels=["team"])
+        mean = GaugeMetricFamily("gpupool_queue_wait_mean_seconds",
+                                 "Mean queue wait of this period's runs that waited", labels=["team"])
         for name, waits in sorted(self.ledger.queue_waits(period).items()):
             waited.add_metric([name], waits.count)
             mean.add_metric([name], float(waits.mean_s))
@@ -422,39 +522,41 @@ class _Collector:
         yield errors
 
 
-#: The tabs of the user pages.
-TABS = "<nav><a href='./'>Usage</a> · <a href='datasets'>Datasets</a></nav>"
-
-
 class PageHandler(AccountingHandler):
-    """The hub page: my running servers and their cost, my teams' budgets (charts), members for leads."""
+    """The usage page: my GPU-hours and their cost, my running servers, my teams against their budgets."""
 
     @web.authenticated
     def get(self):
         viewer, policy = self.viewer(), self.policy
-        period = self.period_argument()
-        sections = []
+        period, currency = self.period_argument(), policy.billing.currency
+        name = period_name(period)
         usage = self.ledger.usage(period)
+        mine = user_usage(self.ledger, policy, viewer.name, period)
+        alerts, teams = [], []
         for team in sorted(viewer.teams | viewer.leads):
-            for alert in reached_alerts(policy, team, usage):
-                sections.append(f'<p class="alert" role="alert">⚠ {html.escape(alert.message)}</p>')
-            summary = team_summary(self.ledger, policy, team, period, viewer.may_see_members(team))
-            budget = float(summary["budget_gpu_hours"]) if summary["budget_gpu_hours"] else None
-            bars = [(team, float(Fraction(summary["gpu_hours"])))]
-            sections.append(bar_chart(f"Team {team}: GPU-hours in {period}", bars, "GPU-h", budget))
-            if "users" in summary:
-                users = [(u, float(Fraction(h))) for u, h in summary["users"].items()]
-                sections.append(bar_chart(f"Members of {team}", users, "GPU-h"))
-        self.set_header("Content-Type", "text/html; charset=utf-8")
-        self.finish(
-            "<!doctype html><html><head><meta charset='utf-8'><title>gpupool usage</title></head><body>"
-            f"{TABS}<h1>GPU usage of {html.escape(viewer.name)}, {html.escape(period)}</h1>"
-            + "".join(f"<section>{s}</section>" for s in sections)
-            + "".join(f"<p><a href='teams/{html.escape(t)}'>Team {html.escape(t)}: members and days</a></p>"
-                      for t in sorted(viewer.leads))
-            + ("<p><a href='admin'>All teams: utilisation, queue waits, top consumers</a></p>" if viewer.admin else "")
-            + "<p><a href='api/me'>as JSON</a></p></body></html>"
-        )
+            alerts += [alert.message for alert in reached_alerts(policy, team, usage)]
+            summary = team_summary(self.ledger, policy, team, period, False)
+            used = self.ledger.gpu_hours(period, ("team",), team=team).get((team,), Fraction(0))
+            budget = summary["budget_gpu_hours"]
+            own = mine.get(team, {})
+            teams.append({
+                "name": team, "hours": hours_text(used), "budget": budget,
+                "used_percent": percent(used, Fraction(budget)) if budget else None,
+                "on_exhausted": summary["on_exhausted"], "resets": summary["resets"],
+                "mine": hours_text(own.get("gpu_hours", Fraction(0))),
+                "my_cost": money(own.get("cost", Decimal(0)), currency), "href": f"teams/{team}",
+                "chart": Markup(charts.bar_chart(
+                    f"Team {team}: GPU-hours in {name}", [(team, float(used)), ("you", float(own.get("gpu_hours", 0)))],
+                    "GPU-h", limit=float(budget) if budget else None)),
+            })
+        running = [{**server, "cost": money(server["cost"], currency), "share": format_share(Fraction(server["share"])),
+                    "since": server["since"][:16].replace("T", " ")}
+                   for server in running_servers(self.ledger, policy, viewer.name, periods.utcnow())]
+        self.render_page(
+            "usage.html", f"Your GPU usage, {name}", "usage", period_name=name, alerts=alerts, teams=teams,
+            my_hours=hours_text(sum((u["gpu_hours"] for u in mine.values()), Fraction(0))),
+            my_cost=money(sum((u["cost"] for u in mine.values()), Decimal(0)), currency), running=running,
+            leads=[(t, sorted(team.leads)) for t, team in sorted(policy.teams.items()) if team.leads])
 
 
 PERIOD = {"name": "period", "in": "query", "schema": {"type": "string", "pattern": "^\\d{4}-(0[1-9]|1[0-2])$"}}
@@ -498,7 +600,10 @@ class OpenAPIHandler(web.RequestHandler):
         self.finish(json.dumps(OPENAPI))
 
 
-def make_app(ledger: Ledger, policy_dir: str, prefix: str, team_root: str = "teams") -> web.Application:
+def make_app(ledger: Ledger, policy_dir: str, prefix: str, team_root: str = "teams", base_url: str = "/",
+             nav_services: tuple[str, ...] = ("accounting",)) -> web.Application:
+    """The service's routes; `base_url` is the hub's (its pages are at `{base_url}hub/`), `nav_services` the
+    services the hub's navigation bar lists for every user."""
     return web.Application(
         [
             (prefix, PageHandler),
@@ -516,7 +621,8 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str, team_root: str = "tea
             (prefix + "openapi.json", OpenAPIHandler),
             (prefix + "oauth_callback", HubOAuthCallbackHandler),
         ],
-        ledger=ledger, policy_dir=policy_dir, team_root=team_root, cookie_secret=os.urandom(32),
+        ledger=ledger, policy_dir=policy_dir, team_root=team_root, cookie_secret=os.urandom(32), prefix=prefix,
+        base_url=base_url, nav_services=tuple(nav_services), templates=page_templates(),
         max_body_size=MAX_BODY_BYTES,
     )
 
@@ -563,7 +669,10 @@ def main() -> None:
     prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/accounting/")
     # The team folders (and their dataset registries): LocalGPUSpawner.team_root's default, or as configured.
     team_root = os.environ.get("GPUPOOL_TEAM_ROOT", str(state / "teams"))
-    app = make_app(ledger, os.environ.get("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR)), prefix, team_root)
+    # The navigation bar lists the services every user may open, as the hub's own pages do.
+    nav = tuple(n for n in os.environ.get("GPUPOOL_NAV_SERVICES", "accounting").split(",") if n)
+    app = make_app(ledger, os.environ.get("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR)), prefix, team_root,
+                   os.environ.get("JUPYTERHUB_BASE_URL", "/"), nav)
     url = os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:8003")
     # Listen where the hub says the service is: 127.0.0.1 on one machine, 0.0.0.0 in a pod.
     parsed = urlparse(url)

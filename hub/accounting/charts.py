@@ -1,0 +1,138 @@
+"""The accounting pages' charts: matplotlib figures rendered to inline SVG on the server.
+
+Nothing runs in the browser and nothing is fetched: each chart is one `<svg>` element with its text kept as
+text (`svg.fonttype: none`, so it is searchable, selectable and scales with the page), axes with units, one
+label per day, budget lines labelled with their value. Matplotlib's object API (`Figure`, no pyplot) keeps no
+global state, so pages rendered in threads do not share figures.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+from datetime import date
+
+import matplotlib
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator, PercentFormatter
+
+#: Colours of the hub's Bootstrap theme (primary, danger, secondary) so charts look like the rest of the hub.
+BAR, LIMIT, GRID = "#0d6efd", "#dc3545", "#ced4da"
+#: Text as <text> elements in the page's own font; ids salted per chart so several SVGs share one page.
+RC = {"svg.fonttype": "none", "font.family": "sans-serif", "font.size": 10, "axes.spines.top": False,
+      "axes.spines.right": False, "axes.titleweight": "bold", "axes.titlesize": 11, "axes.titlelocation": "left"}
+
+
+def _svg(figure: Figure, title: str) -> str:
+    """The figure as an inline `<svg>` (no XML prologue, no metadata), labelled for screen readers."""
+    buffer = io.StringIO()
+    with matplotlib.rc_context({**RC, "svg.hashsalt": title}):
+        figure.savefig(buffer, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
+    text = buffer.getvalue()
+    text = text[text.index("<svg"):]
+    text = re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
+    escaped = title.replace("&", "&amp;").replace('"', "&quot;").replace("<", "&lt;")
+    return text.replace("<svg ", f'<svg role="img" aria-label="{escaped}" class="gpupool-chart" ', 1)
+
+
+def _figure(width: float, height: float) -> Figure:
+    with matplotlib.rc_context(RC):
+        figure = Figure(figsize=(width, height), layout="constrained")
+        figure.add_subplot()
+    return figure
+
+
+def _number(value: float) -> str:
+    """A GPU-hour amount the way people read it: 0.75, 12.5, 1,234."""
+    if value == 0:
+        return "0"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.3g}" if abs(value) < 1 else f"{value:,.2f}".rstrip("0").rstrip(".")
+
+
+def bar_chart(title: str, bars: list[tuple[str, float]], unit: str, *, limit: float | None = None,
+              limit_label: str = "budget") -> str:
+    """Horizontal bars, one per label, each with its value written beside it; `limit` draws a labelled line."""
+    with matplotlib.rc_context(RC):
+        figure = _figure(7.5, 1.2 + 0.4 * max(1, len(bars)))
+        axes = figure.axes[0]
+        labels = [label for label, _ in bars] or ["(none)"]
+        values = [value for _, value in bars] or [0.0]
+        positions = range(len(labels))
+        axes.barh(positions, values, color=BAR, height=0.6)
+        axes.set_yticks(list(positions), labels)
+        axes.invert_yaxis()  # the first bar on top, as in a table
+        top = max(values + [limit or 0])
+        axes.set_xlim(0, top * 1.25 if top > 0 else 1)
+        for y, value in zip(positions, values):
+            axes.annotate(f"{_number(value)} {unit}", (value, y), xytext=(4, 0), textcoords="offset points",
+                          va="center")
+        if limit:
+            axes.axvline(limit, color=LIMIT, linestyle="--", linewidth=1.5)
+            axes.annotate(f"{limit_label} {_number(limit)} {unit}", (limit, 1), xycoords=("data", "axes fraction"),
+                          xytext=(4, -2), textcoords="offset points", color=LIMIT, va="top")
+        axes.set_xlabel(unit)
+        axes.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _number(v)))
+        axes.grid(axis="x", color=GRID, linewidth=0.6)
+        axes.set_axisbelow(True)
+        axes.set_title(title)
+        return _svg(figure, title)
+
+
+def _day_axis(axes, days: list[date]) -> None:
+    """One tick per day, labelled with its day of the month; the month and year name the axis."""
+    axes.set_xticks(range(len(days)), [str(d.day) for d in days])
+    axes.set_xlim(-0.6, max(len(days), 7) - 0.4)
+    axes.tick_params(axis="x", labelsize=8 if len(days) > 20 else 9)
+    if days:
+        axes.set_xlabel(f"day of {days[0].strftime('%B %Y')} (UTC)")
+
+
+def daily_chart(title: str, days: list[tuple[str, float]], unit: str) -> str:
+    """Columns of an amount per day (ISO dates), every day labelled, the y axis in `unit`."""
+    with matplotlib.rc_context(RC):
+        figure = _figure(7.5, 2.9)
+        axes = figure.axes[0]
+        dates = [date.fromisoformat(day) for day, _ in days]
+        values = [value for _, value in days]
+        axes.bar(range(len(values)), values, color=BAR, width=0.7)
+        _day_axis(axes, dates)
+        top = max(values + [0])
+        axes.set_ylim(0, top * 1.15 if top > 0 else 1)
+        axes.yaxis.set_major_locator(MaxNLocator(5))
+        axes.yaxis.set_major_formatter(FuncFormatter(lambda v, _: _number(v)))
+        axes.set_ylabel(unit)
+        axes.grid(axis="y", color=GRID, linewidth=0.6)
+        axes.set_axisbelow(True)
+        axes.set_title(title)
+        return _svg(figure, title)
+
+
+#: The tops a utilisation axis may have: the smallest one above the busiest day (with room for it) is used.
+SCALES = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+def utilisation_scale(ratios: list[float]) -> float:
+    """The top of a utilisation axis: 1 %, 2 %, 5 %, 10 %, 20 %, 50 % or 100 %, above the busiest day."""
+    highest = max(ratios + [0.0]) * 1.15
+    return next((top for top in SCALES if top >= highest), 1.0)
+
+
+def utilisation_chart(title: str, days: list[tuple[str, float]]) -> str:
+    """Allocated / capacity per day in percent, the axis scaled to the data (a quiet pool is not a flat line)."""
+    with matplotlib.rc_context(RC):
+        figure = _figure(7.5, 2.9)
+        axes = figure.axes[0]
+        dates = [date.fromisoformat(day) for day, _ in days]
+        ratios = [ratio for _, ratio in days]
+        axes.bar(range(len(ratios)), ratios, color=BAR, width=0.7)
+        _day_axis(axes, dates)
+        axes.set_ylim(0, utilisation_scale(ratios))
+        axes.yaxis.set_major_locator(MaxNLocator(5))
+        axes.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=None))
+        axes.set_ylabel("allocated / capacity")
+        axes.grid(axis="y", color=GRID, linewidth=0.6)
+        axes.set_axisbelow(True)
+        axes.set_title(title)
+        return _svg(figure, title)
