@@ -197,8 +197,9 @@ def test_admin_report_utilisation_per_model_per_day(hub):
     assert [c["user"] for c in body["top_consumers"]] == ["nadia", "alice"]  # nadia's interval still runs
     assert body["queue_waits"] == {"vision": {"runs": 1, "mean_seconds": "30.0", "longest_seconds": 30}}
     page = get(hub, "admin", "admin", headers=BROWSER)
-    assert page.status_code == 200 and page.text.count("<svg") == 3
+    assert page.status_code == 200 and page.text.count("<svg") == 4
     text = html.unescape(page.text)
+    assert "Teams: share of their budget used in" in text and "budget 100 %" in text
     assert "H200: utilisation per day (2 cards)" in text and "allocated / capacity" in text
     assert re.search(r">\d+(\.\d+)?%</text>", page.text), "the utilisation axis is in percent"
     assert not re.search(r"""(src|href)=["']?https?:|url\(["']?https?:|@import""", page.text), "nothing from outside"
@@ -342,3 +343,87 @@ def logged_in(hub: Hub, user: str) -> requests.Session:
         "username": user, "password": PASSWORD, "_xsrf": session.cookies.get("_xsrf", path="/hub/")})
     assert reply.status_code == 200 and "/hub/login" not in reply.url, reply.url
     return session
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver_path = shutil.which("chromedriver")
+    if not chromium or not driver_path:
+        pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver; "
+                    "`make install` does it as root)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1280,900"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    yield driver
+    driver.quit()
+
+
+def browse_as(hub: Hub, browser, user: str, path: str):
+    """Log in through the hub's login form as `user` (a fresh session) and open `path`."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support import expected_conditions
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(f"{hub.url}/hub/logout")
+    browser.delete_all_cookies()
+    browser.get(f"{hub.url}{path}")
+    WebDriverWait(browser, 60).until(expected_conditions.url_contains("/hub/login"))
+    browser.find_element(By.ID, "username_input").send_keys(user)
+    browser.find_element(By.ID, "password_input").send_keys(PASSWORD)
+    browser.find_element(By.ID, "login_submit").click()
+    WebDriverWait(browser, 120).until(lambda b: path.split("?")[0] in b.current_url and "/login" not in b.current_url)
+    return WebDriverWait(browser, 60).until(lambda b: b.find_element(By.TAG_NAME, "body").text)
+
+
+def shoot(browser, name: str) -> Path:
+    """A screenshot of the whole page into docs/screenshots/ (made by the test run, so the docs stay current)."""
+    height = browser.execute_script("return document.documentElement.scrollHeight")
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
+        "width": 1280, "height": max(700, min(height, 4000)), "deviceScaleFactor": 1, "mobile": False})
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / f"{name}.png"
+    browser.save_screenshot(str(path))
+    browser.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+    return path
+
+
+def test_the_pages_in_a_browser(hub, browser):
+    """As a member, a lead, an admin and a user in no team, in Chromium: what each reads on the pages."""
+    from selenium.webdriver.common.by import By
+
+    if hub.backend != "sqlite":
+        pytest.skip("the pages are the same on PostgreSQL; one browser pass is enough")
+    body = browse_as(hub, browser, "alice", "/services/accounting/")
+    assert "Your GPU usage" in body and "0.5 GPU-h" in body and "1.60 EUR" in body, body
+    assert "Home" in body and "Services" in body and "Logout" in body, "the hub's navigation bar"
+    assert browser.find_element(By.ID, "jupyterhub-logo").is_displayed()
+    shots = [shoot(browser, "usage-member")]
+    browser.get(f"{hub.url}/services/accounting/teams/vision")
+    body = browser.find_element(By.TAG_NAME, "body").text
+    assert "as a member" in body and "1 run waited in the queue, 30 s." in body and "Members of" not in body
+    shots.append(shoot(browser, "team-member"))
+    browser.get(f"{hub.url}/services/accounting/teams/nlp")
+    body = browser.find_element(By.TAG_NAME, "body").text
+    assert "404" in body and "Not Found" in body and "{" not in body, "the hub's error page, not JSON"
+    shots.append(shoot(browser, "not-found"))
+
+    body = browse_as(hub, browser, "lena", "/services/accounting/teams/vision")
+    assert "as its lead" in body and "Top consumers" in body and "alice" in body
+    shots.append(shoot(browser, "team-lead"))
+
+    body = browse_as(hub, browser, "admin", "/services/accounting/admin")
+    assert "All teams" in body and "Queue waits" in body and "vision" in body and "nlp" in body
+    shots.append(shoot(browser, "admin"))
+
+    body = browse_as(hub, browser, "sam", "/hub/home")
+    assert "You are in no team yet" in body and "Start My Server" not in body
+    shots.append(shoot(browser, "home-no-team"))
+    for shot in shots:
+        assert shot.stat().st_size > 10_000, shot  # a rendered page, not an empty one

@@ -37,6 +37,11 @@ def test_wheel_holds_every_subpackage_and_policy_file(wheel):
         assert f"gpupool/policies/{policy.name}" in names
     for policy in (ROOT / "policies" / "examples").glob("*.yaml"):
         assert f"gpupool/policies/examples/{policy.name}" in names
+    # the page templates: the accounting pages' and gpupool's overrides of the hub's (its home page)
+    templates = [*(ROOT / "hub" / "templates").glob("*.html"), *(ROOT / "hub" / "accounting" / "templates").glob("*.html")]
+    for template in templates:
+        assert f"gpupool/{template.relative_to(ROOT)}" in names
+    assert "gpupool/hub/templates/home.html" in names and "gpupool/hub/accounting/templates/usage.html" in names
     assert not any(n.startswith(("mlflow/", "tests/", "hub/", "policies/")) for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = wheel.read(entry_points).decode()

@@ -128,9 +128,10 @@ def utilisation_chart(title: str, days: list[tuple[str, float]]) -> str:
         ratios = [ratio for _, ratio in days]
         axes.bar(range(len(ratios)), ratios, color=BAR, width=0.7)
         _day_axis(axes, dates)
-        axes.set_ylim(0, utilisation_scale(ratios))
+        top = utilisation_scale(ratios)
+        axes.set_ylim(0, top)
         axes.yaxis.set_major_locator(MaxNLocator(5))
-        axes.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=None))
+        axes.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0 if top >= 0.05 else 1))
         axes.set_ylabel("allocated / capacity")
         axes.grid(axis="y", color=GRID, linewidth=0.6)
         axes.set_axisbelow(True)

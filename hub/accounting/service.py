@@ -2,8 +2,10 @@
 
 Runs under JupyterHub at `/services/accounting/` (`python -m gpupool.hub.accounting.service`), authenticated
 through the hub: browsers by HubOAuth, API clients by their JupyterHub token. Who sees what:
-a member sees their own usage and their team's totals, a team lead their team's users too, an admin
-everything. Another team's data answers 404, so that its existence does not leak either.
+a member sees their own usage and cost, and their team's totals, days and queue; a team lead each member's
+usage, the top consumers and the bill too; an admin everything. Another team's data answers 404, so that
+its existence does not leak either. The pages are hub pages (the hub's page.html and navigation bar);
+errors are the hub's error page for a browser and JSON for API clients (`api/…`, or no `text/html` in Accept).
 """
 
 from __future__ import annotations
@@ -115,7 +117,9 @@ class AccountingHandler(HubOAuthenticated, web.RequestHandler):
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.finish(self.settings["templates"].get_template("error.html").render(
             **self.hub_namespace(user), status_code=status_code,
-            status_message=responses.get(status_code, "Error"), message=message))
+            status_message=responses.get(status_code, "Error"), message=message,
+            extra_error_html=Markup('<a href="{}">Your usage</a> · <a href="{}">Back to the hub</a>').format(
+                self.settings["prefix"], self.settings["base_url"] + "hub/home")))
 
     def hub_namespace(self, user: dict | None) -> dict:
         """What the hub's page.html needs to draw its navigation bar, from the service's side of the proxy."""
@@ -361,10 +365,10 @@ class AdminPageHandler(AccountingHandler):
             [(d["day"], float(d["utilisation"])) for d in days]))
             for model, days in report["utilisation_daily"].items()]
         usage = self.ledger.usage(period)
-        budgets = [(t["team"], float(t["budget_gpu_hours"])) for t in report["teams"] if t["budget_gpu_hours"]]
-        teams = []
+        budgets = [(t["team"], Fraction(t["budget_gpu_hours"])) for t in report["teams"] if t["budget_gpu_hours"]]
+        teams, used_by = [], self.ledger.gpu_hours(period, ("team",))
         for t in report["teams"]:
-            used = self.ledger.gpu_hours(period, ("team",), team=t["team"]).get((t["team"],), Fraction(0))
+            used = used_by.get((t["team"],), Fraction(0))
             costs = user_usage_of_team(self.ledger, policy, t["team"], period)
             teams.append({"name": t["team"], "hours": hours_text(used), "budget": t["budget_gpu_hours"],
                           "used_percent": percent(used, Fraction(t["budget_gpu_hours"])) if t["budget_gpu_hours"]
@@ -375,11 +379,13 @@ class AdminPageHandler(AccountingHandler):
         self.render_page(
             "admin.html", f"All teams, {name}", "admin", period_name=name, alerts=alerts,
             utilisation_charts=utilisation_charts,
+            # Budgets differ by orders of magnitude between teams: one scale for all is the share used.
             teams_chart=Markup(charts.bar_chart(
-                f"Teams: GPU-hours in {name}" + (" (budgets: " + ", ".join(f"{t} {charts._number(b)}"
-                                                                         for t, b in budgets) + " GPU-h)"
-                                                 if budgets else ""),
-                [(t["team"], float(Fraction(t["gpu_hours"]))) for t in report["teams"]], "GPU-h")),
+                f"Teams: share of their budget used in {name}",
+                [(t, float(used_by.get((t,), Fraction(0)) / b * 100)) for t, b in budgets], "%",
+                limit=100.0)) if budgets else "",
+            hours_chart=Markup(charts.bar_chart(f"Teams: GPU-hours in {name}", [
+                (t["team"], float(Fraction(t["gpu_hours"]))) for t in report["teams"]], "GPU-h")),
             top_chart=Markup(charts.bar_chart(f"Top consumers in {name}", [
                 (f'{c["user"]} ({c["team"]})', float(Fraction(c["gpu_hours"]))) for c in report["top_consumers"]],
                 "GPU-h")),
@@ -577,14 +583,16 @@ OPENAPI = {
         "/api/teams/{team}/bill": {"get": {"summary": "A team's bill (leads and admins)", "parameters": [
             {"name": "format", "in": "query", "schema": {"enum": list(FORMATS)}}]}},
         "/api/teams/{team}/report": {"get": {
-            "summary": "Team leads and admins: the team's users, GPU-hours per day, queue waits, top consumers",
+            "summary": "A team's GPU-hours per day and queue waits (runs that waited); for its leads and admins "
+                       "also each member's GPU-hours and the top consumers",
             "parameters": [PERIOD, TOP]}},
         "/api/admin/report": {"get": {
             "summary": "Admins: utilisation (allocated / capacity GPU-hours) per model per day, queue waits per team, "
                        "top consumers, every team's totals", "parameters": [PERIOD, TOP]}},
         "/admin": {"get": {"summary": "Admins: the all-teams page with charts (HTML, inline SVG)",
                            "parameters": [PERIOD, TOP]}},
-        "/teams/{team}": {"get": {"summary": "Team leads and admins: the team page with charts (HTML, inline SVG)",
+        "/teams/{team}": {"get": {"summary": "The team page with charts (HTML, inline SVG): a member's view for "
+                                             "members, with each member's usage for leads and admins",
                                   "parameters": [PERIOD, TOP]}},
         "/api/teams/{team}/datasets": {"get": {
             "summary": "A team's datasets and their versions from its DVC registry (members and admins)"}},

@@ -337,3 +337,13 @@ def test_only_sqlite_and_postgresql_with_psycopg(url, message):
 
 def test_a_plain_postgresql_url_means_psycopg_3():
     assert db.create_engine("postgresql://u@localhost/d").dialect.driver == "psycopg"
+
+
+def test_queue_waits_count_only_runs_that_waited(ledger):
+    """One run waited 63 s, three were placed at once: "1 run waited, 63 s", not "4 runs, 15.8 s on average"."""
+    for n, wait in enumerate([63, 0, 0, 0]):
+        ledger.keep_run(f"alice/@{n}", "alice", "vision", "h200-quarter", "H200", F(1, 4), START, START,
+                        queue_wait=timedelta(seconds=wait))
+    waits = ledger.queue_waits("2026-11")["vision"]
+    assert (waits.count, waits.mean_s, waits.longest_s) == (1, 63, 63)
+    assert ledger.queue_waits("2026-11", team="nlp") == {}
