@@ -299,12 +299,14 @@ def test_pages_are_hub_pages(hub):
     assert 'href="/hub/admin"' in get(hub, "admin", "", headers=BROWSER).text
 
 
-@pytest.mark.parametrize("path, status", [("teams/nlp", 404), ("teams/robotics", 404), ("admin", 403)])
+@pytest.mark.parametrize("path, status", [("teams/nlp", 404), ("teams/robotics", 404), ("admin", 403),
+                                          ("no/such/page", 404)])
 def test_errors_are_html_for_browsers_and_json_for_api_clients(hub, path, status):
     page = get(hub, "alice", path, headers=BROWSER)
     assert page.status_code == status and page.headers["Content-Type"].startswith("text/html")
     assert f"<h1>{status} :" in page.text and 'id="jupyterhub-logo"' in page.text and "nadia" not in page.text
-    api = get(hub, "alice", "api/admin/report" if path == "admin" else "api/" + path, headers=BROWSER)
+    api = get(hub, "alice", {"admin": "api/admin/report", "no/such/page": "api/no/such"}.get(path, "api/" + path),
+              headers=BROWSER)
     assert api.status_code == status and api.json()["status"] == status, "the api/ prefix answers JSON"
     client = get(hub, "alice", path, headers={"Accept": "application/json"})
     assert client.status_code == status and client.json()["status"] == status
@@ -413,6 +415,11 @@ def test_the_pages_in_a_browser(hub, browser):
     body = browser.find_element(By.TAG_NAME, "body").text
     assert "404" in body and "Not Found" in body and "{" not in body, "the hub's error page, not JSON"
     shots.append(shoot(browser, "not-found"))
+
+    body = browse_as(hub, browser, "nadia", "/services/accounting/")
+    assert "Servers running now\n1" in body and "0.25 × H200" in body and "EUR" in body, body
+    assert 'team "nlp" has used 100% of its budget' in body
+    shots.append(shoot(browser, "usage-running-server"))
 
     body = browse_as(hub, browser, "lena", "/services/accounting/teams/vision")
     assert "as its lead" in body and "Top consumers" in body and "alice" in body

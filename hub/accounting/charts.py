@@ -69,9 +69,10 @@ def bar_chart(title: str, bars: list[tuple[str, float]], unit: str, *, limit: fl
             axes.annotate(f"{_number(value)} {unit}", (value, y), xytext=(4, 0), textcoords="offset points",
                           va="center")
         if limit:
-            axes.axvline(limit, color=LIMIT, linestyle="--", linewidth=1.5)
-            axes.annotate(f"{limit_label} {_number(limit)} {unit}", (limit, 1), xycoords=("data", "axes fraction"),
-                          xytext=(4, -2), textcoords="offset points", color=LIMIT, va="top")
+            # Labelled in a legend beside the axes: a label on the line itself would sit on the bars.
+            axes.axvline(limit, color=LIMIT, linestyle="--", linewidth=1.5,
+                         label=f"{limit_label} {_number(limit)} {unit}")
+            axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, labelcolor=LIMIT)
         axes.set_xlabel(unit)
         axes.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _number(v)))
         axes.grid(axis="x", color=GRID, linewidth=0.6)

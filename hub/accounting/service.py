@@ -602,6 +602,13 @@ OPENAPI = {
 }
 
 
+class NotFoundHandler(AccountingHandler):
+    """Any other path under the service: the hub's 404 page for a browser, JSON for an API client."""
+
+    def get(self, *args):
+        raise web.HTTPError(404, f"no page {self.request.path!r} here")
+
+
 class OpenAPIHandler(web.RequestHandler):
     def get(self):
         self.set_header("Content-Type", "application/json")
@@ -631,7 +638,7 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str, team_root: str = "tea
         ],
         ledger=ledger, policy_dir=policy_dir, team_root=team_root, cookie_secret=os.urandom(32), prefix=prefix,
         base_url=base_url, nav_services=tuple(nav_services), templates=page_templates(),
-        max_body_size=MAX_BODY_BYTES,
+        max_body_size=MAX_BODY_BYTES, default_handler_class=NotFoundHandler,
     )
 
 
