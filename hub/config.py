@@ -132,17 +132,22 @@ def mlflow_service(settings: Settings) -> dict:
 
 
 def home_page_teams(policy_dir: Path):
-    """`JupyterHub.template_vars["gpupool"]`: for the home page, the user's teams and every team's leads.
+    """`JupyterHub.template_vars["gpupool"]`: for the home page, the user's teams and every team's leads
+    (`teams` is None where they are not known: then the home page is JupyterHub's own).
 
     Read from the current policies (and the user's hub groups, which `gpupool team add-member` changes) at
     each page, so a user added to a team sees the Start button on their next visit.
     """
     def teams(user) -> dict:
-        from gpupool.spawner.mixin import current_policy  # the hub layer may use the spawner's policy cache
+        # The spawner's policy cache (hot reload); imported here, at the first page, not by every `gpupool` command.
+        from gpupool.spawner.mixin import current_policy
 
-        policy = current_policy(policy_dir)
         if user is None:
-            return {"teams": [], "leads": []}
+            return {"teams": None, "leads": []}
+        try:
+            policy = current_policy(policy_dir)
+        except Exception:  # never break the hub's pages over this: the home page shows as JupyterHub's own
+            return {"teams": None, "leads": []}
         groups = {getattr(g, "name", g) for g in getattr(user, "groups", []) or []}
         mine = sorted((groups | set(policy.teams_of(user.name))
                        | {t for t, team in policy.teams.items() if user.name in team.leads}) & set(policy.teams))

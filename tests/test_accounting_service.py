@@ -335,6 +335,12 @@ def test_a_user_in_no_team_is_told_how_to_join_one(hub):
     assert "gpupool team add-member TEAM sam" in home.text
     member = logged_in(hub, "alice").get(f"{hub.url}/hub/home", headers=BROWSER, timeout=30)
     assert 'id="start"' in member.text and "gpupool-no-team" not in member.text
+    # Once added to a team (what `gpupool team add-member` does: the hub group), the next visit has the button.
+    tom = logged_in(hub, "tom")
+    assert "gpupool-no-team" in tom.get(f"{hub.url}/hub/home", headers=BROWSER, timeout=30).text
+    assert hub.api("POST", "/groups/vision/users", json={"users": ["tom"]}).status_code == 200
+    home = tom.get(f"{hub.url}/hub/home", headers=BROWSER, timeout=30).text
+    assert 'id="start"' in home and "gpupool-no-team" not in home
 
 
 def logged_in(hub: Hub, user: str) -> requests.Session:
