@@ -3,18 +3,16 @@
 Nothing runs in the browser and nothing is fetched: each chart is one `<svg>` element with its text kept as
 text (`svg.fonttype: none`, so it is searchable, selectable and scales with the page), axes with units, one
 label per day, budget lines labelled with their value. Matplotlib's object API (`Figure`, no pyplot) keeps no
-global state, so pages rendered in threads do not share figures.
+global figure registry. Matplotlib (and numpy) are imported at the first chart, not when the service starts:
+an idle platform does not carry them.
 """
 
 from __future__ import annotations
 
 import io
 import re
+from contextlib import contextmanager
 from datetime import date
-
-import matplotlib
-from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, MaxNLocator, PercentFormatter
 
 #: Colours of the hub's Bootstrap theme (primary, danger, secondary) so charts look like the rest of the hub.
 BAR, LIMIT, GRID = "#0d6efd", "#dc3545", "#ced4da"
@@ -23,10 +21,19 @@ RC = {"svg.fonttype": "none", "font.family": "sans-serif", "font.size": 10, "axe
       "axes.spines.right": False, "axes.titleweight": "bold", "axes.titlesize": 11, "axes.titlelocation": "left"}
 
 
-def _svg(figure: Figure, title: str) -> str:
+@contextmanager
+def _style(**more):
+    """matplotlib with our settings, for the time of one chart."""
+    import matplotlib
+
+    with matplotlib.rc_context({**RC, **more}):
+        yield matplotlib
+
+
+def _svg(figure, title: str) -> str:
     """The figure as an inline `<svg>` (no XML prologue, no metadata), labelled for screen readers."""
     buffer = io.StringIO()
-    with matplotlib.rc_context({**RC, "svg.hashsalt": title}):
+    with _style(**{"svg.hashsalt": title}):
         figure.savefig(buffer, format="svg", metadata={"Date": None, "Creator": None, "Format": None, "Type": None})
     text = buffer.getvalue()
     text = text[text.index("<svg"):]
@@ -35,8 +42,10 @@ def _svg(figure: Figure, title: str) -> str:
     return text.replace("<svg ", f'<svg role="img" aria-label="{escaped}" class="gpupool-chart" ', 1)
 
 
-def _figure(width: float, height: float) -> Figure:
-    with matplotlib.rc_context(RC):
+def _figure(width: float, height: float):
+    from matplotlib.figure import Figure
+
+    with _style():
         figure = Figure(figsize=(width, height), layout="constrained")
         figure.add_subplot()
     return figure
@@ -54,7 +63,9 @@ def _number(value: float) -> str:
 def bar_chart(title: str, bars: list[tuple[str, float]], unit: str, *, limit: float | None = None,
               limit_label: str = "budget") -> str:
     """Horizontal bars, one per label, each with its value written beside it; `limit` draws a labelled line."""
-    with matplotlib.rc_context(RC):
+    from matplotlib.ticker import FuncFormatter
+
+    with _style():
         figure = _figure(7.5, 1.2 + 0.4 * max(1, len(bars)))
         axes = figure.axes[0]
         labels = [label for label, _ in bars] or ["(none)"]
@@ -92,7 +103,9 @@ def _day_axis(axes, days: list[date]) -> None:
 
 def daily_chart(title: str, days: list[tuple[str, float]], unit: str) -> str:
     """Columns of an amount per day (ISO dates), every day labelled, the y axis in `unit`."""
-    with matplotlib.rc_context(RC):
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    with _style():
         figure = _figure(7.5, 2.9)
         axes = figure.axes[0]
         dates = [date.fromisoformat(day) for day, _ in days]
@@ -122,7 +135,9 @@ def utilisation_scale(ratios: list[float]) -> float:
 
 def utilisation_chart(title: str, days: list[tuple[str, float]]) -> str:
     """Allocated / capacity per day in percent, the axis scaled to the data (a quiet pool is not a flat line)."""
-    with matplotlib.rc_context(RC):
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+
+    with _style():
         figure = _figure(7.5, 2.9)
         axes = figure.axes[0]
         dates = [date.fromisoformat(day) for day, _ in days]
