@@ -366,16 +366,20 @@ class AdminPageHandler(AccountingHandler):
             for model, days in report["utilisation_daily"].items()]
         usage = self.ledger.usage(period)
         budgets = [(t["team"], Fraction(t["budget_gpu_hours"])) for t in report["teams"] if t["budget_gpu_hours"]]
-        teams, used_by = [], self.ledger.gpu_hours(period, ("team",))
+        teams, used_by, problems = [], self.ledger.gpu_hours(period, ("team",)), []
         for t in report["teams"]:
             used = used_by.get((t["team"],), Fraction(0))
-            costs = user_usage_of_team(self.ledger, policy, t["team"], period)
+            try:
+                cost = money(bill_for(self.ledger, policy, t["team"], period).total, policy.billing.currency)
+            except ValueError as error:  # a model without a price: say so, the rest of the page still helps
+                cost = "–"
+                problems.append(f"team {t['team']}: {error}")
             teams.append({"name": t["team"], "hours": hours_text(used), "budget": t["budget_gpu_hours"],
                           "used_percent": percent(used, Fraction(t["budget_gpu_hours"])) if t["budget_gpu_hours"]
-                          else None, "cost": money(costs, policy.billing.currency),
+                          else None, "cost": cost,
                           "href": f"teams/{t['team']}?period={period}",
                           "bill": f"api/teams/{t['team']}/bill?format=html&period={period}"})
-        alerts = [a.message for t in policy.teams for a in reached_alerts(policy, t, usage)]
+        alerts = [a.message for t in policy.teams for a in reached_alerts(policy, t, usage)] + problems
         self.render_page(
             "admin.html", f"All teams, {name}", "admin", period_name=name, alerts=alerts,
             utilisation_charts=utilisation_charts,
@@ -391,11 +395,6 @@ class AdminPageHandler(AccountingHandler):
                 "GPU-h")),
             waits=list(report["queue_waits"].items()), teams=teams,
             json_href="api/admin/report?" + urlencode({"period": period}))
-
-
-def user_usage_of_team(ledger: Ledger, policy, team: str, period: str) -> Decimal:
-    """What `team` owes for `period` so far (its bill's total)."""
-    return bill_for(ledger, policy, team, period).total
 
 
 class TeamReportHandler(AccountingHandler):
@@ -575,7 +574,8 @@ OPENAPI = {
                                                        "description": "token <JupyterHub API token>"}}},
     "security": [{"jupyterhub": []}],
     "paths": {
-        "/api/me": {"get": {"summary": "My usage this period, my running servers with cost so far, my teams' budgets",
+        "/api/me": {"get": {"summary": "My GPU-hours and their cost this period, my running servers with cost so far, "
+                                       "my teams' budgets",
                             "parameters": [{"name": "period", "in": "query", "schema": {"type": "string",
                                                                                          "pattern": "^\\d{4}-\\d{2}$"}}]}},
         "/api/teams": {"get": {"summary": "Admins: every team's totals and utilisation per model"}},
