@@ -14,17 +14,19 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from fractions import Fraction
 from pathlib import Path
 from urllib.parse import urlparse
 
+import psutil
 import requests
 from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from tornado import ioloop, web
 
+from gpupool.hub import __version__
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import format_hours, reached_alerts
 from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill
@@ -42,6 +44,8 @@ log = logging.getLogger("gpupool.accounting")
 
 #: Requests may not carry bodies larger than this (the API only reads).
 MAX_BODY_BYTES = 64 * 1024
+#: When this process started: the health answer tells a service that a restarted hub started from a stale one.
+STARTED = datetime.fromtimestamp(psutil.Process().create_time(), UTC).isoformat()
 
 
 @dataclass(frozen=True)
@@ -488,8 +492,15 @@ OPENAPI = {
             "summary": "A team's datasets and their versions from its DVC registry (members and admins)"}},
         "/datasets": {"get": {"summary": "The Datasets tab: my teams' datasets and versions (HTML)"}},
         "/metrics": {"get": {"summary": "Prometheus metrics (admins)"}},
+        "/health": {"get": {"summary": "No login: status, gpupool version and when this service started"}},
     },
 }
+
+
+class HealthHandler(web.RequestHandler):
+    def get(self):
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps({"status": "ok", "version": __version__, "started": STARTED}))
 
 
 class OpenAPIHandler(web.RequestHandler):
@@ -514,6 +525,7 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str, team_root: str = "tea
             (prefix + r"teams/([^/]+)", TeamPageHandler),
             (prefix + "metrics", MetricsHandler),
             (prefix + "openapi.json", OpenAPIHandler),
+            (prefix + "health", HealthHandler),
             (prefix + "oauth_callback", HubOAuthCallbackHandler),
         ],
         ledger=ledger, policy_dir=policy_dir, team_root=team_root, cookie_secret=os.urandom(32),
