@@ -162,13 +162,21 @@ def health(hub: Hub, service: str) -> dict:
     return reply.json()
 
 
-def listeners(processes: list[psutil.Process]) -> list[str]:
+def listening_on(ports: set[int]) -> list[psutil.Process]:
+    """What listens on `ports`, with every process of the listeners' process groups (MLflow's children)."""
+    groups = set()
+    for connection in psutil.net_connections(kind="tcp"):
+        if connection.status == psutil.CONN_LISTEN and connection.laddr.port in ports and connection.pid:
+            try:
+                groups.add(os.getpgid(connection.pid))
+            except OSError:
+                continue
     found = []
-    for process in processes:
+    for process in psutil.process_iter():
         try:
-            found += [f"{process.pid}:{c.laddr.port}" for c in process.net_connections(kind="tcp")
-                      if c.status == psutil.CONN_LISTEN]
-        except psutil.Error:
+            if os.getpgid(process.pid) in groups:
+                found.append(process)
+        except OSError:
             continue
     return found
 
@@ -191,9 +199,10 @@ def test_after_a_hub_crash_gpupool_up_serves_fresh_services_and_nothing_old_list
         hub.wait_service("mlflow", "health")
         before = {name: health(hub, name) for name in ("accounting", "mlflow")}
         assert before["accounting"]["version"] and before["mlflow"]["mlflow"]
-        old = service_processes(hub.state)
+        ports = {hub.port + 3, hub.port + 4}  # the accounting service's and MLflow's
+        old = listening_on(ports)
         assert {"gpupool.hub.accounting.service", "uvicorn"} <= {
-            part for p in old for part in p.cmdline() if part in ("gpupool.hub.accounting.service", "uvicorn")}
+            part for p in old for part in p.cmdline()}
         proxy = psutil.Process(int((hub.state / "proxy.pid").read_text()))
 
         # A second platform on the same state folder is refused while this one runs.
@@ -209,10 +218,10 @@ def test_after_a_hub_crash_gpupool_up_serves_fresh_services_and_nothing_old_list
             hub.wait_service(name, "health", timeout=60)
             fresh = health(hub, name)
             assert datetime.fromisoformat(fresh["started"]) > crashed, (name, before[name], fresh)
-        assert not alive(old) and not listeners(old)
+        assert not alive(old)
         assert not proxy.is_running(), "the old proxy was replaced"
-        ports = {int(entry.split(":")[1]) for entry in listeners(service_processes(hub.state))}
-        assert {hub.port + 3, hub.port + 4} <= ports, "the services' ports belong to the new run's services"
+        new = listening_on(ports)
+        assert new and not {p.pid for p in new} & {p.pid for p in old}, "the services' ports are the new run's"
     finally:
         hub.stop()
         opener.join(5)
