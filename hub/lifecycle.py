@@ -20,7 +20,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -167,6 +166,14 @@ def _group_members(pgid: int) -> list[psutil.Process]:
     return members
 
 
+def _descendants() -> list[psutil.Process]:
+    """Every process this supervisor is responsible for: its process group, and whatever left the group but
+    descends from it (orphans are re-parented here, the subreaper)."""
+    found = {p.pid: p for p in _group_members(os.getpgrp())}
+    found.update((p.pid, p) for p in psutil.Process().children(recursive=True))
+    return list(found.values())
+
+
 def _serving(processes: list[psutil.Process]) -> bool:
     """Whether any of `processes` still listens or holds an open TCP connection."""
     for process in processes:
@@ -217,9 +224,9 @@ def _reap() -> None:
 def supervise(state: Path, name: str, command: list[str]) -> int:
     """Run `command` as the service `name` until it exits, the hub asks it to stop, or the hub dies."""
     hub = os.getppid()
-    stop = threading.Event()
+    asked: list[int] = []  # a plain list: a signal handler must not take a lock the main thread may hold
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda number, _: asked.append(number))
     # SIGHUP when the hub dies, even by SIGKILL; checked after setting it, in case the hub died before.
     set_parent_death_signal(signal.SIGHUP)
     if os.getppid() != hub:
@@ -234,21 +241,20 @@ def supervise(state: Path, name: str, command: list[str]) -> int:
     me = psutil.Process()
     write_json(_record_path(state, name), {"pid": me.pid, "started": me.create_time(), "pgid": os.getpgrp(),
                                             "service_pid": child.pid, "command": command})
-    while child.poll() is None and not stop.wait(0.5):
-        if os.getppid() != hub:
-            break
+    while child.poll() is None and not asked and os.getppid() == hub:
+        time.sleep(0.2)
     if child.poll() is None:
         child.terminate()
         deadline = time.monotonic() + STOP_GRACE_S
         # Once it stops serving, what is left is the interpreters' teardown (MLflow's takes half a minute on
         # a busy machine: the final garbage collection of a large heap), which the kernel does faster.
-        while child.poll() is None and time.monotonic() < deadline and _serving(_group_members(os.getpgrp())):
+        while child.poll() is None and time.monotonic() < deadline and _serving(_descendants()):
             time.sleep(0.2)
-    _kill_all(_group_members(os.getpgrp()))
+    _kill_all(_descendants())
     code = child.wait()
     _reap()
     _record_path(state, name).unlink(missing_ok=True)
-    return 0 if stop.is_set() else code
+    return 0 if asked else code
 
 
 def stale_service_processes(state: Path) -> list[psutil.Process]:
