@@ -296,6 +296,21 @@ def stop_stale_services(state: Path) -> list[str]:
     return described
 
 
+def ports_in_use(ports: dict[int, str]) -> list[str]:
+    """Which of `ports` (port → what gpupool runs there) something already listens on, on 127.0.0.1."""
+    import socket
+
+    taken = []
+    for port, what in sorted(ports.items()):
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                taken.append(f"{port} ({what})")
+    return taken
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) < 4 or argv[2] != "--":

@@ -142,6 +142,18 @@ def test_gpupool_up_refuses_a_second_platform_on_the_same_state_folder(tmp_path)
         holder.kill()
 
 
+def test_gpupool_up_refuses_ports_another_program_holds(tmp_path):
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1] - 3  # where gpupool would put its accounting service
+        done = subprocess.run([GPUPOOL, "up", "--state-dir", str(tmp_path / "state"), "--port", str(port)],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg")})
+    assert done.returncode == 1, done.stderr
+    assert f"port {port + 3} (the accounting service) is in use by another program" in done.stderr
+
+
 POLICY = {
     "policy.yaml": """
 models:
