@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.gpupool-installed
 PYTEST_ARGS ?=
 
-.PHONY: up test install system-packages clean
+.PHONY: up test install system-packages clean cli
 
 $(STAMP): setup.cfg pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,8 +43,16 @@ test: install
 
 # UP_ARGS go to `gpupool up`, e.g. make up UP_ARGS="--port 9000 --policies policies/examples"
 UP_ARGS ?=
-up: install
+up: install cli
 	$(BIN)/gpupool up $(UP_ARGS)
+
+# `gpupool` on PATH, as the README uses it: linked into /usr/local/bin as root, ~/.local/bin otherwise
+# (make cli CLI_DIR=... for another folder).
+CLI_DIR ?= $(if $(filter 0,$(shell id -u)),/usr/local/bin,$(HOME)/.local/bin)
+cli: $(STAMP)
+	@mkdir -p $(CLI_DIR) && ln -sfn $(abspath $(BIN))/gpupool $(CLI_DIR)/gpupool
+	@echo "gpupool: $(CLI_DIR)/gpupool -> $(abspath $(BIN))/gpupool"
+	@case ":$$PATH:" in *":$(CLI_DIR):"*) ;; *) echo "gpupool: $(CLI_DIR) is not on PATH: add it to PATH";; esac
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

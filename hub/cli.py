@@ -35,26 +35,39 @@ def _up(args: argparse.Namespace) -> int:
     return up(args)
 
 
-def _team_add_member(args: argparse.Namespace) -> int:
-    from gpupool.hub.up import team_add_member
+def _team(args: argparse.Namespace) -> int:
+    from gpupool.hub import up
 
-    return team_add_member(args)
+    return getattr(up, "team_" + args.team_command.replace("-", "_"))(args)
 
 
 def _bill(args: argparse.Namespace) -> int:
+    import json
     from pathlib import Path
 
     from gpupool.hub.accounting.bills import bill_command
+    from gpupool.hub.lifecycle import NoPlatform, find_state_dir
     from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError, load_policy
 
     try:
-        policy = load_policy(args.policies or DEFAULT_POLICY_DIR)
-        ledger = args.ledger or f"sqlite:///{Path(args.state_dir).resolve() / 'ledger.sqlite'}"
+        # The platform's own policies and ledger: --state-dir, else the platform `gpupool up` last started.
+        state = find_state_dir(args.state_dir, running=False) if args.state_dir or not args.ledger else None
+    except NoPlatform as error:
+        print(f"gpupool bill: {error}, or --ledger", file=sys.stderr)
+        return 1
+    hub = json.loads((state / "hub.json").read_text()) if state and (state / "hub.json").exists() else {}
+    try:
+        policy = load_policy(args.policies or hub.get("policies") or DEFAULT_POLICY_DIR)
+        ledger = args.ledger or hub.get("ledger_url") or f"sqlite:///{Path(state) / 'ledger.sqlite'}"
         print(bill_command(ledger, policy, args.team, args.period, args.format), end="")
     except (PolicyError, ValueError) as error:
         print(f"gpupool bill: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+STATE_HELP = ("state folder of the platform (default: the platform `gpupool up` started, recorded in "
+              "~/.local/state/gpupool)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,8 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     bill.add_argument("--team", required=True)
     bill.add_argument("--period", required=True, help="the month, YYYY-MM (UTC)")
     bill.add_argument("--format", default="csv", choices=["csv", "html", "json"])
-    bill.add_argument("--policies", help="policy directory with the prices (default: the shipped policies)")
-    bill.add_argument("--state-dir", default="state", help="state directory of the platform (its ledger.sqlite)")
+    bill.add_argument("--policies", help="policy directory with the prices (default: the platform's own)")
+    bill.add_argument("--state-dir", help=STATE_HELP)
     bill.add_argument("--ledger", help="ledger database URL instead (e.g. postgresql+psycopg://…)")
     bill.set_defaults(func=_bill)
 
@@ -109,8 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_member = team_commands.add_parser("add-member", help="add a hub user to a team (a JupyterHub group)")
     add_member.add_argument("team")
     add_member.add_argument("user")
-    add_member.add_argument("--state-dir", default="state", help="state directory of the running platform")
-    add_member.set_defaults(func=_team_add_member)
+    add_member.add_argument("--create", action="store_true",
+                            help="create the hub user when there is none of that name (default: refuse)")
+    remove_member = team_commands.add_parser("remove-member", help="remove a hub user from a team")
+    remove_member.add_argument("team")
+    remove_member.add_argument("user")
+    team_list = team_commands.add_parser("list", help="every team and its members")
+    for command in (add_member, remove_member, team_list):
+        command.add_argument("--state-dir", help=STATE_HELP)
+        command.set_defaults(func=_team)
 
     from gpupool.hub import datasets as datasets_command  # argparse only at import, like render
 

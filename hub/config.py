@@ -8,6 +8,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpupool.hub.lifecycle import supervised
 from gpupool.hub.wiring import ACCOUNTING_SERVICE, MLFLOW_ROLE, MLFLOW_SERVICE, service_roles, team_groups
 from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
 
@@ -220,5 +221,6 @@ def apply_config(c, settings: Settings) -> None:
         services.append(mlflow_service(settings))
     roles += [{"name": name, **role} for name, role in service_roles().items()
               if settings.mlflow or name != MLFLOW_ROLE]
-    c.JupyterHub.services = services + list(settings.extra_services)
+    # gpupool's own services run under the lifecycle supervisor: they stop with the hub, even when it crashes.
+    c.JupyterHub.services = [supervised(s, state) for s in services] + list(settings.extra_services)
     c.JupyterHub.load_roles = roles

@@ -81,12 +81,16 @@ class Hub:
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
         self.log = tmp / "hub.log"
+        # Where `gpupool up` records the running platform for the `gpupool` command: the test's own, so that
+        # the CLI finds this hub (and no other test's) from any folder.
+        self.env = {**os.environ, "XDG_STATE_HOME": str(tmp / "xdg-state")}
         self.session = requests.Session()
         self.session.headers["Authorization"] = f"token {self.token}"
 
     def start(self) -> None:
         log = self.log.open("a")
-        env = dict(os.environ)
+        logged = self.log.stat().st_size
+        env = self.env
         self.process = subprocess.Popen(
             [GPUPOOL, "up", "--state-dir", str(self.state), "--port", str(self.port), "--policies", str(self.policies),
              "--ledger-url", self.ledger_url, "--team-root", str(self.team_root),
@@ -94,12 +98,14 @@ class Hub:
              *([] if self.mlflow else ["--no-mlflow"])],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
-        # The hub answers once its managed services are up (MLflow takes a while on a busy machine).
+        # The hub answers once its managed services are up (MLflow takes a while on a busy machine); `gpupool up`
+        # prints the login line then, which is what a person waits for.
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log.read_text()[-3000:]
             try:
-                if self.session.get(f"{self.url}/hub/api/users", timeout=5).status_code == 200:
+                if (self.session.get(f"{self.url}/hub/api/users", timeout=5).status_code == 200
+                        and b"gpupool: open " in self.log.read_bytes()[logged:]):
                     return
             except (requests.ConnectionError, requests.Timeout):
                 pass
@@ -129,6 +135,11 @@ class Hub:
         if self.process and self.process.poll() is None:
             self.process.kill()
             self.process.wait(30)
+
+    def cli(self, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+        """Run `gpupool ARGS` as a person would: from another folder (`cwd`), finding this hub by itself."""
+        return subprocess.run([str(GPUPOOL), *args], cwd=cwd or self.log.parent, env=self.env, capture_output=True,
+                              text=True, timeout=120, check=False)
 
     def api(self, method: str, path: str, **kw) -> requests.Response:
         return self.session.request(method, f"{self.url}/hub/api{path}", timeout=30, **kw)

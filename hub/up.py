@@ -6,13 +6,17 @@ import argparse
 import json
 import os
 import secrets
+import signal
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import bcrypt
+import psutil
 
+from gpupool.hub import lifecycle
 from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError, load_policy
 
 CONFIG_FILE = Path(__file__).with_name("jupyterhub_config.py")
@@ -49,17 +53,48 @@ def up(args: argparse.Namespace) -> int:
         print(f"gpupool up: the policies in {policy_dir} are invalid; fix them (gpupool policy check)", file=sys.stderr)
         return 1
     state = Path(args.state_dir).resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    os.chmod(state, 0o700)
+    try:
+        lock = lifecycle.lock_state(state)
+    except lifecycle.StateLocked as error:
+        print(f"gpupool up: {error}", file=sys.stderr)
+        return 1
+    stale = lifecycle.stop_stale_services(state)
+    if stale:
+        print(f"gpupool: stopped {len(stale)} service process(es) an earlier run on {state} left running: "
+              + "; ".join(stale), flush=True)
+    # The proxy's own ports are left out: JupyterHub replaces a proxy an earlier run left (state/proxy.pid).
+    wanted = {args.port + 1: "the hub", args.port + 3: "the accounting service"}
+    if not getattr(args, "no_mlflow", False):
+        wanted[args.port + 4] = "MLflow"
+    taken = lifecycle.ports_in_use(wanted)
+    if taken:
+        print(f"gpupool up: port {', '.join(taken)} is in use by another program; stop it, or choose another "
+              f"--port (gpupool uses PORT to PORT+4)", file=sys.stderr)
+        return 1
     password = prepare_state(state, args.admin_password_file)
     url = f"http://{args.ip}:{args.port}/"
-    (state / "hub.json").write_text(json.dumps({"url": url, "admin": args.admin}))
+    ledger_url = args.ledger_url or f"sqlite:///{state / 'ledger.sqlite'}"
+    me = psutil.Process()  # `jupyterhub` replaces this process: same PID, same start time
+    running = {"url": url, "pid": me.pid, "started": me.create_time()}
+    lifecycle.write_json(state / "hub.json", {**running, "admin": args.admin, "policies": str(policy_dir.resolve()),
+                                               "ledger_url": ledger_url})
+    try:
+        lifecycle.write_platform_record(state, running)
+    except OSError as error:  # a read-only home: the CLI then needs --state-dir
+        print(f"gpupool: cannot record the running platform for the gpupool command ({error})", file=sys.stderr)
     print(f"gpupool: {policy.summary()} from {policy_dir}; state in {state}")
-    print(f"gpupool: open {url} and log in as {args.admin!r}", end="")
+    print("gpupool: starting the hub, its proxy and services; the login line follows when the hub answers",
+          flush=True)
+    login = f"gpupool: open {url} and log in as {args.admin!r}"
     if password:
-        print(f" with the password {password}\n         (shown only this once; only its hash is kept in {state / 'admin.bcrypt'})")
+        login += (f" with the password {password}\n         (shown only this once; only its hash is kept in "
+                  f"{state / 'admin.bcrypt'})")
     else:
-        print(" with the admin password set on first start")
-    print("gpupool: users sign up on the login page; the admin approves them at /hub/authorize and adds them to a "
-          "team with `gpupool team add-member TEAM USER` or on the admin page (groups)", flush=True)
+        login += " with the admin password set on first start"
+    login += ("\ngpupool: users sign up on the login page; the admin approves them at /hub/authorize and adds them "
+              "to a team with `gpupool team add-member TEAM USER` or on the admin page (groups)")
     env = {
         **os.environ,
         "GPUPOOL_STATE_DIR": str(state),
@@ -68,14 +103,42 @@ def up(args: argparse.Namespace) -> int:
         "GPUPOOL_PORT": str(args.port),
         "GPUPOOL_ADMIN": args.admin,
         "GPUPOOL_AUTHENTICATOR": args.authenticator,
-        "GPUPOOL_LEDGER_URL": args.ledger_url or f"sqlite:///{state / 'ledger.sqlite'}",
+        "GPUPOOL_LEDGER_URL": ledger_url,
         "GPUPOOL_MLFLOW_BACKEND_URL": getattr(args, "mlflow_backend_url", None) or "",
         "GPUPOOL_MLFLOW": "0" if getattr(args, "no_mlflow", False) else "1",
         "GPUPOOL_TEAM_ROOT": str(Path(args.team_root).resolve()) if getattr(args, "team_root", None) else "",
     }
     jupyterhub = Path(sys.executable).parent / "jupyterhub"
+    announce_when_ready(url, login, lock)
     os.chdir(state)
+    # JupyterHub takes over this process (its PID is the one `gpupool up` was started as, and it keeps the
+    # state lock); the services it starts are supervised (gpupool.hub.lifecycle) and die with it.
     os.execve(str(jupyterhub), [str(jupyterhub), "-f", str(CONFIG_FILE)], env)
+
+
+def announce_when_ready(url: str, text: str, lock: int) -> None:
+    """Print `text` once the hub answers at `url` through its proxy, from a forked helper that dies with the hub.
+
+    Until the hub has started its services and registered its routes, the proxy answers 404: a login line
+    printed before that sends people to an error page.
+    """
+    hub = os.getpid()
+    if os.fork():
+        return
+    try:
+        os.close(lock)  # the lock belongs to the hub alone
+        lifecycle.set_parent_death_signal(signal.SIGTERM)
+        while os.getppid() == hub:
+            try:
+                with urllib.request.urlopen(url.rstrip("/") + "/hub/api/", timeout=5) as response:
+                    if response.status == 200:
+                        print(text, flush=True)
+                        break
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.5)
+    finally:
+        os._exit(0)
 
 
 def hub_api(state: Path, method: str, path: str, body: dict | None = None) -> tuple[int, dict | None]:
@@ -98,27 +161,110 @@ def hub_api(state: Path, method: str, path: str, body: dict | None = None) -> tu
             return error.code, {"message": text.decode(errors="replace")}
 
 
-def team_add_member(args: argparse.Namespace) -> int:
-    state = Path(args.state_dir).resolve()
+def platform_state(args: argparse.Namespace) -> Path | None:
+    """The running platform's state folder (--state-dir, else the one `gpupool up` recorded); None after saying why."""
+    try:
+        state = lifecycle.find_state_dir(args.state_dir)
+    except lifecycle.NoPlatform as error:
+        print(f"gpupool: {error}", file=sys.stderr)
+        return None
     if not (state / "hub.json").exists():
-        print(f"no running gpupool in {state} (start it with `make up`, or pass --state-dir)", file=sys.stderr)
+        print(f"no gpupool platform in {state} (start it with `gpupool up --state-dir {state}`)", file=sys.stderr)
+        return None
+    return state
+
+
+def _team_call(args: argparse.Namespace, steps) -> int:
+    """Run `steps(state)` (REST calls to the hub) and turn an unreachable hub into one clear line."""
+    state = platform_state(args)
+    if state is None:
         return 1
     try:
-        status, _ = hub_api(state, "GET", f"/users/{args.user}")
-        if status == 404:
-            status, reply = hub_api(state, "POST", f"/users/{args.user}")
-            if status >= 400:
-                print(f"cannot create user {args.user}: {reply}", file=sys.stderr)
-                return 1
-        status, reply = hub_api(state, "POST", f"/groups/{args.team}/users", {"users": [args.user]})
+        return steps(state)
     except urllib.error.URLError as error:
         print(f"the hub does not answer ({error.reason}); is `gpupool up` running?", file=sys.stderr)
         return 1
-    if status == 404:
-        print(f"no team {args.team!r} on the hub (teams come from policies)", file=sys.stderr)
-        return 1
+
+
+def _team_or_error(state: Path, team: str) -> dict | None:
+    status, group = hub_api(state, "GET", f"/groups/{team}")
+    if status == 404 or (group or {}).get("properties", {}).get("gpupool.team") != "true":
+        status, groups = hub_api(state, "GET", "/groups")
+        known = sorted(g["name"] for g in groups or [] if g.get("properties", {}).get("gpupool.team") == "true")
+        print(f"no team {team!r} on the hub (teams come from policies; known: {', '.join(known) or 'none'})",
+              file=sys.stderr)
+        return None
+    return group
+
+
+def _refused(status: int, reply: dict | None) -> bool:
     if status >= 400:
-        print(f"the hub refused: {reply.get('message') if reply else status}", file=sys.stderr)
-        return 1
-    print(f"{args.user} is now a member of team {args.team}")
-    return 0
+        print(f"the hub refused: {(reply or {}).get('message') or status}", file=sys.stderr)
+        return True
+    return False
+
+
+def team_add_member(args: argparse.Namespace) -> int:
+    def steps(state: Path) -> int:
+        if _team_or_error(state, args.team) is None:
+            return 1
+        status, user = hub_api(state, "GET", f"/users/{args.user}")
+        if status == 404:
+            if not args.create:
+                print(f"no user {args.user!r} on the hub: people sign up on the login page and an admin approves "
+                      f"them at /hub/authorize; check the spelling (gpupool team list), or pass --create to create "
+                      f"{args.user!r} now", file=sys.stderr)
+                return 1
+            status, user = hub_api(state, "POST", f"/users/{args.user}")
+            if _refused(status, user):
+                return 1
+            print(f"created the hub user {user['name']}")
+        elif _refused(status, user):
+            return 1
+        status, reply = hub_api(state, "POST", f"/groups/{args.team}/users", {"users": [user["name"]]})
+        if _refused(status, reply):
+            return 1
+        print(f"{user['name']} is now a member of team {args.team}")
+        return 0
+
+    return _team_call(args, steps)
+
+
+def team_remove_member(args: argparse.Namespace) -> int:
+    def steps(state: Path) -> int:
+        group = _team_or_error(state, args.team)
+        if group is None:
+            return 1
+        if args.user not in group.get("users", []):
+            print(f"{args.user!r} is not a member of team {args.team} (members: "
+                  f"{', '.join(sorted(group.get('users', []))) or 'none'})", file=sys.stderr)
+            return 1
+        status, reply = hub_api(state, "DELETE", f"/groups/{args.team}/users", {"users": [args.user]})
+        if _refused(status, reply):
+            return 1
+        print(f"{args.user} is no longer a member of team {args.team}")
+        policies = json.loads((state / "hub.json").read_text()).get("policies")
+        try:
+            listed = args.user in load_policy(policies).teams[args.team].members if policies else False
+        except (PolicyError, KeyError):
+            listed = False
+        if listed:
+            print(f"note: the policies in {policies} list {args.user} as a member of {args.team}: remove them "
+                  f"there too, or they are a member again when the hub restarts", file=sys.stderr)
+        return 0
+
+    return _team_call(args, steps)
+
+
+def team_list(args: argparse.Namespace) -> int:
+    def steps(state: Path) -> int:
+        status, groups = hub_api(state, "GET", "/groups")
+        if _refused(status, groups):
+            return 1
+        teams = sorted((g for g in groups or [] if g.get("properties", {}).get("gpupool.team") == "true"),
+                       key=lambda g: g["name"])
+        for team in teams:
+            print(f"{team['name']}: {', '.join(sorted(team.get('users', []))) or '(no members)'}")
+        return 0
+
+    return _team_call(args, steps)

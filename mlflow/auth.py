@@ -17,6 +17,7 @@ from http.cookies import SimpleCookie
 from urllib.parse import parse_qs, quote, urlencode
 
 import anyio
+import psutil
 
 from gpupool.hub.accounting import periods
 from gpupool.mlflow.cost import run_cost
@@ -503,7 +504,7 @@ class HubGate:
             return await _refuse(send, Refused(404, f"MLflow is served under {self.prefix}/"))
         relative = path[len(self.prefix):]
         if relative == "/health":
-            return await self.app(scope, receive, send)
+            return await _health(send)
         if relative == "/oauth_callback":
             return await self.oauth_callback(scope, send)
         try:
@@ -640,6 +641,21 @@ async def _read_body(scope, receive) -> bytes:
         if not message.get("more_body"):
             break
     return b"".join(chunks)
+
+
+#: When this process started: the health answer tells a service that a restarted hub started from a stale one.
+STARTED = datetime.fromtimestamp(psutil.Process().create_time(), timezone.utc).isoformat()
+
+
+async def _health(send) -> None:
+    from mlflow.version import VERSION
+
+    from gpupool.hub import __version__
+
+    body = json.dumps({"status": "ok", "version": __version__, "mlflow": VERSION, "started": STARTED}).encode()
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _refuse(send, refused: Refused) -> None:

@@ -1,9 +1,9 @@
 """Crashes of the hub and of the accounting service mid-usage lose no GPU-second and count none twice.
 
 A real `gpupool up` hub runs the accounting service and a real JupyterLab server holding 0.25 of an H200.
-Both the hub and the service are killed with SIGKILL (the server runs on, as it does when a hub crashes),
-restarted, and the ledger is compared with the time the server process really ran, within the heartbeat
-granularity (the spawner's poll and the service's reconciliation run every second here). Once on SQLite,
+The service is killed with SIGKILL (the hub starts it again), then the hub (its services end with it; the server
+runs on, as it does when a hub crashes), the hub is restarted, and the ledger is compared with the time the
+server process really ran, within the heartbeat granularity (the spawner's poll and the service's reconciliation run every second here). Once on SQLite,
 once on a real PostgreSQL.
 """
 
@@ -62,6 +62,7 @@ def hub(request, tmp_path):
 def _is_service_of(process: psutil.Process, hub: Hub) -> bool:
     try:
         return ("gpupool.hub.accounting.service" in " ".join(process.cmdline())
+                and "gpupool.hub.lifecycle" not in process.cmdline()  # its supervisor
                 and process.environ().get("GPUPOOL_STATE_DIR") == str(hub.state))
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return False
@@ -116,12 +117,16 @@ def test_hub_and_service_killed_mid_usage(hub):
     run = wait_for(lambda: runs_of(hub.ledger_url, "alice"), what="the spawner's interval")[0].run
     time.sleep(3)
 
-    # The hub crashes; the service, still up, cannot reach it and closes the run at its last heartbeat.
+    # The service crashes, and the hub starts it again.
+    crashed = accounting_service(hub)
+    crashed.send_signal(signal.SIGKILL)
+    wait_for(lambda: [p for p in psutil.process_iter() if _is_service_of(p, hub) and p.pid != crashed.pid], 60,
+             "the hub starting the service again")
+    # Then the hub crashes: its services end with it, and nobody writes the ledger until it is back.
+    service = accounting_service(hub)
     hub.kill()
-    wait_for(lambda: [p for p in runs_of(hub.ledger_url, "alice") if p.how == "reconciled"], 30,
-             "the service closing the unseen interval")
-    # Then the service crashes too, and both come back (the hub starts the service).
-    accounting_service(hub).send_signal(signal.SIGKILL)
+    wait_for(lambda: not service.is_running() or service.status() == psutil.STATUS_ZOMBIE, 60,
+             "the service ending with its hub")
     time.sleep(2)
     assert process.is_running(), "the server runs on while the hub is down"
     hub.start()
@@ -134,7 +139,9 @@ def test_hub_and_service_killed_mid_usage(hub):
 
     pieces = runs_of(hub.ledger_url, "alice")
     assert all(p.run == run and not p.is_open for p in pieces)
-    assert [p.how for p in pieces] == ["reconciled", "stopped"], "closed while unseen, continued, stopped"
+    # Depending on whether the restarted service's stale check or the hub's first heartbeat comes first, the
+    # outage is one piece closed while unseen and continued, or no piece at all.
+    assert {p.how for p in pieces[:-1]} <= {"reconciled"} and pieces[-1].how == "stopped", [p.how for p in pieces]
     counted = assert_contiguous_and_once(pieces)
     ran = (ended - began).total_seconds()
     assert abs(counted - ran) <= GRANULARITY_S, f"ledger {counted} s, the server ran {ran:.1f} s"

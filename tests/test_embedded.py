@@ -81,7 +81,7 @@ def test_team_add_member_command(hub):
     from pathlib import Path
 
     gpupool = Path(sys.executable).parent / "gpupool"
-    done = subprocess.run([gpupool, "team", "add-member", "nlp", "bob", "--state-dir", str(hub.state)],
+    done = subprocess.run([gpupool, "team", "add-member", "nlp", "bob", "--create", "--state-dir", str(hub.state)],
                           capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     assert "bob is now a member of team nlp" in done.stdout

@@ -16,7 +16,7 @@ def test_gpupool_up_runs_mlflow_behind_the_hub_with_state_in_the_state_folder(tm
     apply_config(c, Settings(state_dir=tmp_path, port=9000))
     (service,) = [s for s in c.JupyterHub.services if s["name"] == "mlflow"]
     assert service["url"] == "http://127.0.0.1:9004"
-    command = service["command"]
+    command = service["command"][service["command"].index("--") + 1:]  # under the lifecycle supervisor
     assert command[1:4] == ["server", "--app-name", "gpupool"]
     options = command
     assert f"sqlite:///{tmp_path / 'mlflow.sqlite'}" in options

@@ -15,13 +15,14 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from fractions import Fraction
 from http.client import responses
 from pathlib import Path
 from urllib.parse import urlencode, urlparse
 
+import psutil
 import requests
 from jinja2 import ChoiceLoader, Environment, FileSystemLoader, PrefixLoader
 from jupyterhub._data import DATA_FILES_PATH
@@ -31,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from markupsafe import Markup
 from tornado import ioloop, web
 
+from gpupool.hub import __version__
 from gpupool.hub.accounting import charts, periods
 from gpupool.hub.accounting.admission import format_hours, format_share, reached_alerts
 from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill
@@ -47,6 +49,8 @@ log = logging.getLogger("gpupool.accounting")
 
 #: Requests may not carry bodies larger than this (the API only reads).
 MAX_BODY_BYTES = 64 * 1024
+#: When this process started: the health answer tells a service that a restarted hub started from a stale one.
+STARTED = datetime.fromtimestamp(psutil.Process().create_time(), UTC).isoformat()
 
 
 @dataclass(frozen=True)
@@ -598,6 +602,7 @@ OPENAPI = {
             "summary": "A team's datasets and their versions from its DVC registry (members and admins)"}},
         "/datasets": {"get": {"summary": "The Datasets tab: my teams' datasets and versions (HTML)"}},
         "/metrics": {"get": {"summary": "Prometheus metrics (admins)"}},
+        "/health": {"get": {"summary": "No login: status, gpupool version and when this service started"}},
     },
 }
 
@@ -607,6 +612,12 @@ class NotFoundHandler(AccountingHandler):
 
     def get(self, *args):
         raise web.HTTPError(404, f"no page {self.request.path!r} here")
+
+
+class HealthHandler(web.RequestHandler):
+    def get(self):
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps({"status": "ok", "version": __version__, "started": STARTED}))
 
 
 class OpenAPIHandler(web.RequestHandler):
@@ -634,6 +645,7 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str, team_root: str = "tea
             (prefix + r"teams/([^/]+)", TeamPageHandler),
             (prefix + "metrics", MetricsHandler),
             (prefix + "openapi.json", OpenAPIHandler),
+            (prefix + "health", HealthHandler),
             (prefix + "oauth_callback", HubOAuthCallbackHandler),
         ],
         ledger=ledger, policy_dir=policy_dir, team_root=team_root, cookie_secret=os.urandom(32), prefix=prefix,

@@ -1,0 +1,245 @@
+"""The platform's process lifecycle with real processes: services die with their hub, even when it is killed;
+a hub that starts stops what an earlier run left; one platform per state folder; the login line comes when the
+hub answers.
+
+The supervisor tests run `python -m gpupool.hub.lifecycle` under a stand-in parent process that plays the hub
+(a real process that is killed with SIGKILL); the end-to-end test does the same to a real `gpupool up`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from gpupool.hub import lifecycle
+from gpupool.hub.harness import GPUPOOL, Hub
+
+#: A service that listens, starts a child of its own (as `mlflow server` starts uvicorn and job runners), and
+#: on SIGTERM closes its socket and then takes "forever" to exit (as MLflow's interpreter teardown does).
+SERVICE = textwrap.dedent("""
+    import signal, socket, subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    listener = socket.socket(); listener.bind(("127.0.0.1", 0)); listener.listen()
+    print(listener.getsockname()[1], child.pid, flush=True)
+    def teardown(*_):
+        listener.close()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        time.sleep(3600)
+    signal.signal(signal.SIGTERM, teardown)
+    time.sleep(3600)
+""")
+
+#: Plays the hub: starts the supervised service the way JupyterHub does (own session), then waits.
+HUB = textwrap.dedent("""
+    import subprocess, sys, time
+    subprocess.Popen(sys.argv[1:], start_new_session=True)
+    time.sleep(3600)
+""")
+
+
+def wait_for(predicate, timeout: float = 60, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(what)
+
+
+def service_processes(state: Path) -> list[psutil.Process]:
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(lifecycle.MARKER, "").startswith(f"{state}\x1f"):
+                found.append(process)
+        except psutil.Error:
+            continue
+    return found
+
+
+def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+@pytest.fixture
+def fake_hub(tmp_path):
+    """A stand-in hub running one supervised SERVICE; yields (hub process, state folder)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (tmp_path / "service.py").write_text(SERVICE)
+    command = lifecycle.supervised({"name": "svc", "command": [sys.executable, str(tmp_path / "service.py")]},
+                                   state)["command"]
+    hub = subprocess.Popen([sys.executable, "-c", HUB, *command])
+    record = state / "services" / "svc.json"
+    wait_for(lambda: record.exists() and len(service_processes(state)) == 2, 60, "the service and its child")
+    yield hub, state
+    hub.kill()
+    for process in service_processes(state):
+        process.kill()
+
+
+def test_a_service_and_its_children_die_when_their_hub_is_killed(fake_hub):
+    hub, state = fake_hub
+    supervisor = psutil.Process(lifecycle._read_json(state / "services" / "svc.json")["pid"])
+    processes = [supervisor, *service_processes(state)]
+    hub.kill()  # SIGKILL: nothing of the hub runs any clean-up
+    hub.wait()
+    wait_for(lambda: not alive(processes), 60, "the orphaned service and its child ending")
+    assert not (state / "services" / "svc.json").exists()
+
+
+def test_a_stop_request_ends_a_service_whose_teardown_hangs(fake_hub):
+    hub, state = fake_hub
+    supervisor = psutil.Process(lifecycle._read_json(state / "services" / "svc.json")["pid"])
+    processes = service_processes(state)
+    supervisor.send_signal(signal.SIGINT)  # what JupyterHub sends first to stop a service
+    wait_for(lambda: not alive([supervisor]), 60, "the supervisor finishing the stop")
+    assert not alive(processes)
+
+
+def test_a_starting_hub_stops_the_services_an_earlier_run_left(fake_hub):
+    hub, state = fake_hub
+    processes = [psutil.Process(lifecycle._read_json(state / "services" / "svc.json")["pid"]),
+                 *service_processes(state)]
+    stopped = lifecycle.stop_stale_services(state)
+    assert len(stopped) == 3, stopped
+    assert not alive(processes)
+    assert lifecycle.stale_service_processes(state) == []
+
+
+def test_gpupool_up_refuses_a_second_platform_on_the_same_state_folder(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from gpupool.hub import lifecycle
+        lifecycle.lock_state(Path({str(state)!r}))
+        print("locked", flush=True)
+        time.sleep(3600)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        done = subprocess.run([GPUPOOL, "up", "--state-dir", str(state), "--port", "1"], capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg")})
+        assert done.returncode == 1
+        assert f"another gpupool platform runs on the state folder {state}" in done.stderr
+        assert not (state / "admin.bcrypt").exists(), "nothing of a second platform is written"
+    finally:
+        holder.kill()
+
+
+def test_gpupool_up_refuses_ports_another_program_holds(tmp_path):
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1] - 3  # where gpupool would put its accounting service
+        done = subprocess.run([GPUPOOL, "up", "--state-dir", str(tmp_path / "state"), "--port", str(port)],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg")})
+    assert done.returncode == 1, done.stderr
+    assert f"port {port + 3} (the accounting service) is in use by another program" in done.stderr
+
+
+POLICY = {
+    "policy.yaml": """
+models:
+  H200: {vendor: nvidia, memory_gib: 141, backends: [hami]}
+inventory: [{model: H200, count: 1}]
+teams:
+  vision: {members: [alice]}
+profiles:
+  cpu: {display_name: CPU only, teams: [vision], default: true}
+billing: {prices: {H200: '3.20'}}
+""",
+}
+
+
+def health(hub: Hub, service: str) -> dict:
+    reply = requests.get(f"{hub.url}/services/{service}/health", timeout=10)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def listening_on(ports: set[int]) -> list[psutil.Process]:
+    """What listens on `ports`, with every process of the listeners' process groups (MLflow's children)."""
+    groups = set()
+    for connection in psutil.net_connections(kind="tcp"):
+        if connection.status == psutil.CONN_LISTEN and connection.laddr.port in ports and connection.pid:
+            try:
+                groups.add(os.getpgid(connection.pid))
+            except OSError:
+                continue
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) in groups:
+                found.append(process)
+        except OSError:
+            continue
+    return found
+
+
+def test_after_a_hub_crash_gpupool_up_serves_fresh_services_and_nothing_old_listens(tmp_path):
+    hub = Hub(tmp_path, POLICY)
+    seen = {}
+
+    def open_the_printed_url():
+        # What a person does: wait for the login line, then open the URL at once.
+        wait_for(lambda: hub.log.exists() and b"gpupool: open " in hub.log.read_bytes(), 600, "the login line")
+        try:
+            seen["login"] = requests.get(f"{hub.url}/hub/login", timeout=30).status_code
+        except requests.ConnectionError as error:
+            seen["login"] = f"no answer: {error}"
+
+    opener = threading.Thread(target=open_the_printed_url)
+    opener.start()
+    try:
+        hub.start()
+        opener.join()
+        assert seen.get("login") == 200, f"the URL answers once the login line is printed, not {seen}"
+        hub.wait_service("mlflow", "health")
+        before = {name: health(hub, name) for name in ("accounting", "mlflow")}
+        assert before["accounting"]["version"] and before["mlflow"]["mlflow"]
+        ports = {hub.port + 3, hub.port + 4}  # the accounting service's and MLflow's
+        old = listening_on(ports)
+        assert {"gpupool.hub.accounting.service", "uvicorn"} <= {
+            part for p in old for part in p.cmdline()}
+        proxy = psutil.Process(int((hub.state / "proxy.pid").read_text()))
+
+        # A second platform on the same state folder is refused while this one runs.
+        second = hub.cli("up", "--state-dir", str(hub.state), "--port", str(hub.port + 10))
+        assert second.returncode == 1 and "another gpupool platform runs" in second.stderr
+
+        hub.kill()
+        crashed = datetime.now(UTC)
+        # The services end with their hub, the proxy is left (it keeps running servers reachable).
+        wait_for(lambda: not alive(old), 60, "the crashed hub's services ending")
+        hub.start()
+        for name in ("accounting", "mlflow"):
+            hub.wait_service(name, "health", timeout=60)
+            fresh = health(hub, name)
+            assert datetime.fromisoformat(fresh["started"]) > crashed, (name, before[name], fresh)
+        assert not alive(old)
+        assert not proxy.is_running(), "the old proxy was replaced"
+        new = listening_on(ports)
+        assert new and not {p.pid for p in new} & {p.pid for p in old}, "the services' ports are the new run's"
+    finally:
+        hub.stop()
+        opener.join(5)
+        for process in service_processes(hub.state):
+            process.kill()
+    assert not alive(service_processes(hub.state)), "a clean stop ends every service process"
