@@ -382,11 +382,13 @@ class Browser:
         self._console.clear()
 
     def wait_network_idle(self, quiet: float = 3, timeout: float = 180) -> None:
-        """Until no request has been in flight, and none started, for `quiet` seconds (a page done loading)."""
+        """Until the page has made no network event for `quiet` seconds (a page done loading).
+
+        Requests that never end (workers, long polls) do not count as loading."""
         deadline = time.monotonic() + timeout
         quiet_since = None
         while time.monotonic() < deadline:
-            if self._read_logs() or self._pending:
+            if self._read_logs():
                 quiet_since = None
             elif quiet_since is None:
                 quiet_since = time.monotonic()

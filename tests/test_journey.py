@@ -162,12 +162,14 @@ def _ordinary_user() -> tuple[str, str | None]:
 def _watch_for_password(journey: Journey, stop: threading.Event) -> None:
     """The moment `gpupool up` prints the password, ask the printed address for its login page, as a person would."""
     while not stop.is_set():
-        if "with the password" in journey.log_text():
+        if journey.hub.log.exists() and "with the password" in journey.log_text():
             try:
                 reply = requests.get(f"{journey.hub.url}/hub/login", timeout=30)
                 journey.login_answer_when_printed.append(reply.status_code)
+            except requests.ConnectionError:
+                journey.login_answer_when_printed.append("connection refused")
             except requests.RequestException as error:
-                journey.login_answer_when_printed.append(repr(error))
+                journey.login_answer_when_printed.append(type(error).__name__)
             return
         stop.wait(0.05)
 
@@ -266,7 +268,11 @@ def test_03_people_sign_up_and_the_admin_approves_them_at_hub_authorize(journey)
         if person == PEOPLE[0]:
             journey.shot("signup")
         b.click("#signup_submit")
-        b.wait_for_text("successful")
+        b.wait(lambda d: b.css(".alert"), 120, f"signing up {person} shows no answer:\n{b.text()[:2000]}")
+        answer = b.css(".alert")[0]
+        assert "alert-danger" not in answer.get_attribute("class"), f"signing up {person}: {answer.text}"
+        if person == PEOPLE[0]:
+            journey.shot("signup-sent")
     journey.login("admin", journey.admin_password)
     for person in PEOPLE:
         b.get(f"{journey.hub.url}/hub/authorize")
@@ -351,9 +357,32 @@ def test_07_a_person_picks_a_quarter_h200_on_the_spawn_page_and_gets_jupyterlab(
         b.wait(lambda d: b.css("#jp-main-dock-panel") and b.css(".jp-Launcher"), 300,
                "JupyterLab did not show its launcher")
         journey.shot("jupyterlab")
-        assert journey.hub.server(person)["user_options"] == {"profile": "h200-quarter"}
+        assert journey.hub.server(person)["user_options"].get("profile") == "h200-quarter"
     finally:
         journey.ensure_server(person)
+
+
+def test_07b_nothing_in_the_server_phones_home_by_default(journey):
+    person = PEOPLE[0]
+    journey.ensure_server(person)
+    headers = {"Authorization": f"token {journey.token(person)}"}
+    base = f"{journey.hub.url}/user/{person}/lab"
+    problems = []
+    lab = requests.get(base, headers=headers, timeout=60)
+    announcements_off = "@jupyterlab/apputils-extension:announcements" in lab.text.split("disabledExtensions", 1)[-1][:3000]
+    settings = requests.get(f"{base}/api/settings/@jupyterlab/apputils-extension:notification", headers=headers,
+                            timeout=60).json()
+    if not announcements_off and settings.get("composite", {}).get("fetchNews") != "false":
+        problems.append(f"JupyterLab asks to fetch Jupyter's news (fetchNews={settings.get('composite', {}).get('fetchNews')!r})")
+    printed = journey.hub.run_in_kernel(person, textwrap.dedent("""
+        import dvc.analytics, mlflow.telemetry.utils
+        print("DVC", dvc.analytics.is_enabled(), "MLFLOW", mlflow.telemetry.utils.is_telemetry_disabled())
+    """))
+    if "DVC False" not in printed:
+        problems.append("DVC's usage analytics are on")
+    if "MLFLOW True" not in printed:
+        problems.append("MLflow's telemetry is on")
+    assert not problems, "a private platform must not phone home (issue 12 item 10): " + "; ".join(problems)
 
 
 def test_08_the_terminal_has_dvc_mlflow_and_python_on_its_path(journey):
@@ -420,15 +449,20 @@ def test_13_with_the_hub_run_as_root_the_server_is_its_user_and_cannot_read_the_
     if journey.variant != "hub-as-root":
         pytest.skip("by design the hub run by an ordinary user runs every server as that user (a personal "
                     "workstation, README: Running as root or not)")
-    person = PEOPLE[0]
-    terminal = journey.terminal(person)
-    who = terminal.check("id -un").strip().splitlines()[-1]
     state = journey.hub.state
-    readable = [path for path in ("", "cli-token", "admin.bcrypt", "jupyterhub.sqlite")
-                if terminal.run(f"cat {state / path} >/dev/null 2>&1 || ls {state / path} >/dev/null 2>&1")[0] == 0]
-    assert who == person and not readable, (
-        f"{person}'s server runs as {who!r} and can read {[str(state / p) for p in readable]} of the hub's state "
-        "(issue 12 item 2: servers run as their users; none may read the state folder)")
+    problems = []
+    for person in PEOPLE[:2]:
+        terminal = journey.terminal(person)
+        uid, name = terminal.check("echo ID=$(id -u):$(id -un)").rsplit("ID=", 1)[1].split()[0].split(":")
+        # The account may carry the platform's own prefix (gp-ada), but it is that person's and nobody else's.
+        if uid == "0" or not re.fullmatch(rf"([a-z0-9]+-)?{person}", name):
+            problems.append(f"{person}'s server runs as uid {uid} ({name})")
+        readable = [str(state / p) for p in ("", "cli-token", "admin.bcrypt", "jupyterhub.sqlite")
+                    if terminal.run(f"cat {state / p} >/dev/null 2>&1 || ls {state / p} >/dev/null 2>&1")[0] == 0]
+        if readable:
+            problems.append(f"{person}'s server can read {readable}")
+    assert not problems, ("with the hub run as root (issue 12 item 2: servers run as their users; none may read "
+                          "the state folder): " + "; ".join(problems))
 
 
 # --- what it costs --------------------------------------------------------------------------------------------
@@ -467,13 +501,18 @@ def test_15_the_mlflow_ui_opens_on_the_first_page_and_the_experiment_without_err
     for shot, fragment, words in pages:
         b.start_recording()
         b.get(f"{journey.hub.url}/services/mlflow/{fragment}")
-        text = b.wait_for_text(words, 300)
-        b.wait_network_idle()
-        journey.shot(shot)
-        text = b.text()
         page = f"/services/mlflow/{fragment}"
+        try:
+            b.wait_for_text(words, 300)
+            try:
+                b.wait_network_idle(timeout=90)
+            except TimeoutError:
+                pass  # a page that keeps polling: judge what it did in those 90 s
+        finally:
+            journey.shot(shot)
+        text = b.text()
         problems += [f"{page}: the page says {line.strip()!r}" for line in text.splitlines()
-                     if re.search(r"fail|error", line, re.I)]
+                     if re.search(r"failed to|went wrong|\berror\b", line, re.I)]
         problems += [f"{page}: request {r}" for r in b.failed_requests()]
         problems += [f"{page}: console {m}" for m in b.console_errors()]
     assert not problems, "the MLflow UI shows errors (issue 12 item 7):\n" + "\n".join(problems[:60])
@@ -529,9 +568,19 @@ def test_18_stop_server_on_the_queued_page_leaves_the_queue_cleanly(journey):
     since = journey.hub.log.stat().st_size
     b.driver.execute_script("window.__journey_before_cancel = true;")
     b.click("#stop-server-btn")
-    b.wait(lambda d: "stop" in (b.css("#stop-server-status")[0].text.lower() if b.css("#stop-server-status") else "")
-           and "Stopping" not in b.css("#stop-server-status")[0].text, 120,
-           f"the Stop Server button did not answer:\n{b.text()[:2000]}")
+
+    def answered(driver) -> bool:
+        status = b.css("#stop-server-status")
+        return bool(status) and "stop" in status[0].text.lower() and "Stopping" not in status[0].text
+
+    try:
+        b.wait(answered, 180)
+    except Exception:
+        journey.shot("queue-cancelled")
+        lines = [line for line in journey.log_text(since).splitlines() if third in line]
+        raise AssertionError(
+            f"the Stop Server button on {third}'s queued spawn page got no answer in 180 s (issue 12 item 6); the page "
+            f"shows {b.css('#stop-server-status')[0].text!r}; the hub logged:\n" + "\n".join(lines[-30:])) from None
     status = b.css("#stop-server-status")[0].text
     deadline = time.monotonic() + 120
     while journey.hub.server(third) is not None and time.monotonic() < deadline:
