@@ -300,6 +300,15 @@ def test_04_a_person_in_no_team_is_told_how_to_join_one_and_offered_no_start_but
 
 # --- the team, with the CLI -----------------------------------------------------------------------------------
 
+@pytest.fixture
+def elsewhere():
+    """A folder of the admin's, far from the state folder (readable by an ordinary hub user, unlike tmp_path)."""
+    folder = Path(tempfile.mkdtemp(prefix="gpupool-journey-admin-"))
+    os.chmod(folder, 0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def _cli(journey: Journey, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     """`gpupool …` as the admin types it: in a folder of its own, as the Unix user that runs the hub."""
     kw = {}
@@ -312,13 +321,12 @@ def _cli(journey: Journey, *args: str, cwd: Path) -> subprocess.CompletedProcess
                           **kw)
 
 
-def test_05_the_admin_puts_them_in_a_team_with_the_cli_from_another_folder(journey, tmp_path):
-    os.chmod(tmp_path, 0o755)
+def test_05_the_admin_puts_them_in_a_team_with_the_cli_from_another_folder(journey, elsewhere):
     try:
         for person in PEOPLE:
-            done = _cli(journey, "team", "add-member", TEAM, person, cwd=tmp_path)
+            done = _cli(journey, "team", "add-member", TEAM, person, cwd=elsewhere)
             assert done.returncode == 0, (
-                f"`gpupool team add-member {TEAM} {person}` from {tmp_path} failed ({done.returncode}): "
+                f"`gpupool team add-member {TEAM} {person}` from {elsewhere} failed ({done.returncode}): "
                 f"{done.stderr.strip()} (issue 12 item 9: the CLI must find the running platform)")
             assert f"{person} is now a member of team {TEAM}" in done.stdout, done.stdout
         assert set(PEOPLE) <= set(journey.hub.api("GET", f"/groups/{TEAM}").json()["users"])
@@ -327,10 +335,9 @@ def test_05_the_admin_puts_them_in_a_team_with_the_cli_from_another_folder(journ
             journey.ensure_member(person)
 
 
-def test_06_the_cli_refuses_a_typo_instead_of_creating_a_user(journey, tmp_path):
-    os.chmod(tmp_path, 0o755)
+def test_06_the_cli_refuses_a_typo_instead_of_creating_a_user(journey, elsewhere):
     done = _cli(journey, "team", "add-member", TEAM, "nosuchuser", "--state-dir", str(journey.hub.state),
-                cwd=tmp_path)
+                cwd=elsewhere)
     created = journey.hub.api("GET", "/users/nosuchuser").status_code == 200
     assert done.returncode != 0 and not created, (
         f"`gpupool team add-member {TEAM} nosuchuser` exited {done.returncode} ({done.stdout.strip()}"
@@ -372,8 +379,11 @@ def test_07b_nothing_in_the_server_phones_home_by_default(journey):
     announcements_off = "@jupyterlab/apputils-extension:announcements" in lab.text.split("disabledExtensions", 1)[-1][:3000]
     settings = requests.get(f"{base}/api/settings/@jupyterlab/apputils-extension:notification", headers=headers,
                             timeout=60).json()
-    if not announcements_off and settings.get("composite", {}).get("fetchNews") != "false":
-        problems.append(f"JupyterLab asks to fetch Jupyter's news (fetchNews={settings.get('composite', {}).get('fetchNews')!r})")
+    # The user's own settings over the schema's default, which is where the server's overrides.json lands.
+    default = settings.get("schema", {}).get("properties", {}).get("fetchNews", {}).get("default")
+    fetch_news = settings.get("settings", {}).get("fetchNews", default)
+    if not announcements_off and fetch_news != "false":
+        problems.append(f"JupyterLab asks to fetch Jupyter's news (fetchNews={fetch_news!r})")
     printed = journey.hub.run_in_kernel(person, textwrap.dedent("""
         import dvc.analytics, mlflow.telemetry.utils
         print("DVC", dvc.analytics.is_enabled(), "MLFLOW", mlflow.telemetry.utils.is_telemetry_disabled())
@@ -495,7 +505,7 @@ def test_15_the_mlflow_ui_opens_on_the_first_page_and_the_experiment_without_err
     problems = []
     pages = [("mlflow", "", TEAM)]
     if "run" in journey.made:
-        pages.append(("mlflow-experiment", f"#/experiments/{journey.made['run'][1]}", RUN_NAME))
+        pages.append(("mlflow-experiment", f"#/experiments/{journey.made['run'][1]}", TEAM))
     else:
         problems.append("no experiment page checked: the notebook's run (step 11) was not made")
     for shot, fragment, words in pages:
@@ -569,31 +579,48 @@ def test_18_stop_server_on_the_queued_page_leaves_the_queue_cleanly(journey):
     b.driver.execute_script("window.__journey_before_cancel = true;")
     b.click("#stop-server-btn")
 
-    def answered(driver) -> bool:
+    def status_text() -> str:
         status = b.css("#stop-server-status")
-        return bool(status) and "stop" in status[0].text.lower() and "Stopping" not in status[0].text
+        return status[0].text.strip() if status else ""
+
+    def reloaded(driver) -> bool:
+        try:
+            return driver.execute_script("return window.__journey_before_cancel === undefined "
+                                         "&& document.readyState === 'complete'")
+        except Exception:  # between two pages
+            return False
+
+    def settled(driver) -> bool:
+        text = status_text()
+        return reloaded(driver) or bool(text and "Stopping" not in text)
 
     try:
-        b.wait(answered, 180)
+        b.wait(settled, 180)
     except Exception:
         journey.shot("queue-cancelled")
         lines = [line for line in journey.log_text(since).splitlines() if third in line]
         raise AssertionError(
             f"the Stop Server button on {third}'s queued spawn page got no answer in 180 s (issue 12 item 6); the page "
-            f"shows {b.css('#stop-server-status')[0].text!r}; the hub logged:\n" + "\n".join(lines[-30:])) from None
-    status = b.css("#stop-server-status")[0].text
+            f"shows {status_text()!r}; the hub logged:\n" + "\n".join(lines[-30:])) from None
+    status = status_text()
     deadline = time.monotonic() + 120
     while journey.hub.server(third) is not None and time.monotonic() < deadline:
         time.sleep(0.5)
     # The page reloads itself after a stop; wait until that page has finished loading (and redirecting).
-    b.wait(lambda d: d.execute_script("return window.__journey_before_cancel === undefined "
-                                      "&& document.readyState === 'complete'"), 120, "the page did not reload")
-    b.wait_network_idle()
+    b.wait(reloaded, 120, "the page did not reload after the stop")
+    try:
+        b.wait_network_idle(timeout=60)
+    except TimeoutError:
+        pass  # a page that keeps asking (a redirect loop, a poll): the log below says what it was
     journey.shot("queue-cancelled")
     log = journey.log_text(since)
     problems = [line for line in log.splitlines()
                 if f"Server {third} is ready" in line or "Redirect loop" in line or " 424 " in line]
-    assert journey.hub.server(third) is None, f"{third}'s server is still there: {journey.hub.server(third)}"
-    assert f"{third}/" not in journey.hub.allocations()
-    assert "Error" not in status and not problems, (
-        f"cancelling {third}'s queued spawn (status {status!r}) logged (issue 12 item 6):\n" + "\n".join(problems))
+    if "Error" in status:
+        problems.insert(0, f"the page said {status!r}")
+    if journey.hub.server(third) is not None:
+        problems.insert(0, f"{third}'s server is still there: {journey.hub.server(third)}")
+    if f"{third}/" in journey.hub.allocations():
+        problems.insert(0, f"{third} still holds a share: {journey.hub.allocations()}")
+    assert not problems, f"cancelling {third}'s queued spawn did not leave the queue cleanly (issue 12 item 6):\n" + \
+        "\n".join(problems)
