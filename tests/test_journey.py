@@ -28,6 +28,7 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from decimal import Decimal
 from fractions import Fraction
@@ -525,7 +526,9 @@ def test_15_the_mlflow_ui_opens_on_the_first_page_and_the_experiment_without_err
                      if re.search(r"failed to|went wrong|\berror\b", line, re.I)]
         problems += [f"{page}: request {r}" for r in b.failed_requests()]
         problems += [f"{page}: console {m}" for m in b.console_errors()]
-    assert not problems, "the MLflow UI shows errors (issue 12 item 7):\n" + "\n".join(problems[:60])
+    counted = Counter(problems)
+    assert not problems, "the MLflow UI shows errors (issue 12 item 7):\n" + "\n".join(
+        f"{problem}{f' ({n} times)' if n > 1 else ''}" for problem, n in counted.items())
 
 
 # --- the queue ------------------------------------------------------------------------------------------------
