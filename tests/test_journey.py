@@ -524,6 +524,10 @@ def test_15_the_mlflow_ui_opens_on_the_first_page_and_the_experiment_without_err
         text = b.text()
         problems += [f"{page}: the page says {line.strip()!r}" for line in text.splitlines()
                      if re.search(r"failed to|went wrong|\berror\b", line, re.I)]
+        if "Welcome to MLflow Assistant" in text:
+            problems.append(f"{page}: the assistant panel opens by itself")
+        if re.search(r"UI telemetry", text, re.I):
+            problems.append(f"{page}: MLflow announces its UI telemetry on a private platform (issue 12 item 10)")
         problems += [f"{page}: request {r}" for r in b.failed_requests()]
         problems += [f"{page}: console {m}" for m in b.console_errors()]
     counted = Counter(problems)
