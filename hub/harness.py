@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -64,7 +65,7 @@ class Hub:
     """A `gpupool up` process and a REST client for it."""
 
     def __init__(self, tmp: Path, policy_files: dict[str, str], extra_config: str = "", ledger_url: str | None = None,
-                 mlflow_backend_url: str | None = None, mlflow: bool = True):
+                 mlflow_backend_url: str | None = None, mlflow: bool = True, unix_user: str | None = None):
         self.token = uuid.uuid4().hex
         self.policies = tmp / "policies"
         self.policies.mkdir(parents=True)
@@ -78,6 +79,8 @@ class Hub:
         self.ledger_url = ledger_url or f"sqlite:///{self.state / 'ledger.sqlite'}"
         self.mlflow_backend_url = mlflow_backend_url
         self.mlflow = mlflow  # tests that do not use MLflow start faster without it
+        #: Run `gpupool up` as this ordinary Unix user (the tests run as root) instead of as the tests' user.
+        self.unix_user = unix_user
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
         self.log = tmp / "hub.log"
@@ -90,13 +93,20 @@ class Hub:
     def start(self) -> None:
         log = self.log.open("a")
         logged = self.log.stat().st_size
-        env = self.env
+        env = dict(self.env)
+        as_user = {}
+        if self.unix_user:
+            import pwd
+
+            account = pwd.getpwnam(self.unix_user)
+            as_user = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+            env.update(HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name)
         self.process = subprocess.Popen(
             [GPUPOOL, "up", "--state-dir", str(self.state), "--port", str(self.port), "--policies", str(self.policies),
              "--ledger-url", self.ledger_url, "--team-root", str(self.team_root),
              *(["--mlflow-backend-url", self.mlflow_backend_url] if self.mlflow_backend_url else []),
              *([] if self.mlflow else ["--no-mlflow"])],
-            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, **as_user,
         )
         # The hub answers once its managed services are up (MLflow takes a while on a busy machine); `gpupool up`
         # prints the login line then, which is what a person waits for.
@@ -213,3 +223,200 @@ class Hub:
 
     def allocations(self) -> dict[str, tuple[str, ...]]:
         return {a.key: a.cards for a in AllocationStore(self.state / "allocations.sqlite", owner="test").all()}
+
+
+#: Escape sequences a terminal emits around its output (colours, title, cursor moves, bracketed paste).
+_TERMINAL_CONTROLS = re.compile(r"\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b\[[0-?]*[ -/]*[@-~]|\x1b[()][0-9A-B]|\x1b[=>]")
+
+
+class Terminal:
+    """A JupyterLab terminal of a user's server, driven as JupyterLab drives it.
+
+    JupyterLab creates a terminal with `POST /user/NAME/api/terminals` and talks to it over the websocket
+    `terminals/websocket/TERMINAL` in terminado's protocol: it sends `["stdin", text]` and `["set_size", rows,
+    cols]`, it receives `["setup", {}]` and `["stdout", text]`. `run` types a command and reads until a marker
+    that only the shell's own output can contain, so that it knows the command's end and exit status.
+    """
+
+    def __init__(self, hub_url: str, user: str, token: str, timeout: float = 120):
+        self.user, self.timeout = user, timeout
+        headers = {"Authorization": f"token {token}"}
+        reply = requests.post(f"{hub_url}/user/{user}/api/terminals", headers=headers, timeout=timeout)
+        assert reply.status_code == 200, f"JupyterLab did not open a terminal: {reply.status_code} {reply.text[:500]}"
+        self.name = reply.json()["name"]
+        ws_url = hub_url.replace("http://", "ws://", 1) + f"/user/{user}/terminals/websocket/{self.name}"
+        self.ws = websocket.create_connection(ws_url, header=[f"{k}: {v}" for k, v in headers.items()],
+                                              timeout=timeout)
+        # Wide enough that no command line wraps (a wrapped echo would cut the marker apart).
+        self.ws.send(json.dumps(["set_size", 50, 400, 900, 1200]))
+
+    def run(self, command: str, timeout: float | None = None) -> tuple[int, str]:
+        """Type `command` (one line) and wait for its end: its exit status and what the terminal showed."""
+        marker = f"END{uuid.uuid4().hex}"
+        # The typed line shows `MARKER:%s`; only printf's output has `MARKER:` followed by digits.
+        self.ws.send(json.dumps(["stdin", f"{command}; printf '\\n{marker}:%s\\n' $?\r"]))
+        end = re.compile(rf"\n{marker}:(\d+)\n")
+        text = ""
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"`{command}` did not end in {self.user}'s terminal; it showed:\n{text[-3000:]}")
+            self.ws.settimeout(left)
+            try:
+                message = json.loads(self.ws.recv())
+            except websocket.WebSocketTimeoutException:
+                continue
+            if message[0] == "stdout":
+                text += _TERMINAL_CONTROLS.sub("", message[1]).replace("\r", "")
+                found = end.search(text)
+                if found:
+                    return int(found.group(1)), text[:found.start()]
+            elif message[0] == "disconnect":
+                raise AssertionError(f"{self.user}'s terminal closed while running `{command}`:\n{text[-3000:]}")
+
+    def check(self, command: str, timeout: float | None = None) -> str:
+        """`run`, asserting exit status 0 (the terminal's text in the message otherwise)."""
+        status, output = self.run(command, timeout)
+        assert status == 0, f"`{command}` exited with {status} in {self.user}'s JupyterLab terminal:\n{output[-3000:]}"
+        return output
+
+    def close(self) -> None:
+        self.ws.close()
+
+
+class Browser:
+    """Headless Chromium (Debian `chromium` + `chromium-driver`) driven by selenium, logging its console and network.
+
+    `requests()` and `console_errors()` read what the page did, as the browser's developer tools show it.
+    """
+
+    FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,900",
+             "--disable-dev-shm-usage")
+
+    def __init__(self, chromium: str, chromedriver: str):
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+
+        options = webdriver.ChromeOptions()
+        options.binary_location = chromium
+        for flag in self.FLAGS:
+            options.add_argument(flag)
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL", "performance": "ALL"})
+        self.driver = webdriver.Chrome(service=Service(chromedriver), options=options)
+        self._responses: dict[str, dict] = {}
+        self._pending: dict[str, str] = {}
+        self._console: list[dict] = []
+
+    def get(self, url: str) -> None:
+        self.driver.get(url)
+
+    def wait(self, condition, timeout: float = 120, message: str = ""):
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        return WebDriverWait(self.driver, timeout).until(condition, message)
+
+    def wait_for_text(self, words: str, timeout: float = 120) -> str:
+        """The page's text, once it contains `words`."""
+        from selenium.common.exceptions import TimeoutException
+
+        try:
+            self.wait(lambda d: words in self.text(), timeout)
+        except TimeoutException:
+            raise AssertionError(f"{words!r} never appeared on {self.driver.current_url}; the page shows:\n"
+                                 f"{self.text()[:3000]}") from None
+        return self.text()
+
+    def text(self) -> str:
+        from selenium.common.exceptions import WebDriverException
+        from selenium.webdriver.common.by import By
+
+        try:
+            return self.driver.find_element(By.TAG_NAME, "body").text
+        except WebDriverException:  # between two pages
+            return ""
+
+    def css(self, selector: str):
+        from selenium.webdriver.common.by import By
+
+        return self.driver.find_elements(By.CSS_SELECTOR, selector)
+
+    def fill(self, values: dict[str, str]) -> None:
+        """Type into the inputs with these ids."""
+        from selenium.webdriver.common.by import By
+
+        for element_id, value in values.items():
+            element = self.driver.find_element(By.ID, element_id)
+            element.clear()
+            element.send_keys(value)
+
+    def click(self, selector: str) -> None:
+        self.wait(lambda d: self.css(selector) and self.css(selector)[0].is_enabled(), 60, f"no {selector} to click")
+        self.css(selector)[0].click()
+
+    def forget_cookies(self) -> None:
+        """A new person at the same browser: nobody is logged in."""
+        self.driver.delete_all_cookies()
+
+    def screenshot(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.driver.save_screenshot(str(path))
+        return path
+
+    def _read_logs(self) -> int:
+        """Take in the logs the browser gathered since the last call; how many network events they held."""
+        events = 0
+        for entry in self.driver.get_log("performance"):
+            event = json.loads(entry["message"])["message"]
+            params = event.get("params", {})
+            if not event["method"].startswith("Network."):
+                continue
+            events += 1
+            if event["method"] == "Network.requestWillBeSent" and params.get("type") != "EventSource":
+                self._pending[params["requestId"]] = params["request"]["url"]
+            elif event["method"] == "Network.responseReceived":
+                response = params["response"]
+                self._responses[params["requestId"]] = {"url": response["url"], "status": response["status"]}
+            elif event["method"] in ("Network.loadingFinished", "Network.loadingFailed"):
+                url = self._pending.pop(params["requestId"], None)
+                if event["method"] == "Network.loadingFailed" and params.get("errorText") != "net::ERR_ABORTED":
+                    self._responses[params["requestId"]] = {"url": url, "status": params.get("errorText")}
+        self._console += self.driver.get_log("browser")
+        return events
+
+    def start_recording(self) -> None:
+        """Forget what earlier pages requested and logged."""
+        self._read_logs()
+        self._responses.clear()
+        self._pending.clear()
+        self._console.clear()
+
+    def wait_network_idle(self, quiet: float = 3, timeout: float = 180) -> None:
+        """Until the page has made no network event for `quiet` seconds (a page done loading).
+
+        Requests that never end (workers, long polls) do not count as loading."""
+        deadline = time.monotonic() + timeout
+        quiet_since = None
+        while time.monotonic() < deadline:
+            if self._read_logs():
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= quiet:
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"the page kept loading: {sorted(self._pending.values())[:20]}")
+
+    def failed_requests(self) -> list[str]:
+        """`STATUS URL` of every request since `start_recording` that got a 4xx/5xx or failed."""
+        self._read_logs()
+        return sorted({f"{r['status']} {r['url']}" for r in self._responses.values()
+                       if not isinstance(r["status"], int) or r["status"] >= 400})
+
+    def console_errors(self) -> list[str]:
+        self._read_logs()
+        return [entry["message"] for entry in self._console if entry["level"] == "SEVERE"]
+
+    def quit(self) -> None:
+        self.driver.quit()
