@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import grp
+import json
 import os
 import pwd
 import shutil
@@ -369,6 +370,10 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         # A private platform does not phone home: no JupyterLab news feed, no update check (their prompts are
         # off too, by the environment's JupyterLab settings overrides).
         args += ["--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+        # Terminals start the user's shell interactive but not as a login shell (Jupyter's default under a
+        # spawner), whose /etc/profile would reset PATH and hide the platform's python, pip, dvc and mlflow.
+        shell = pwd.getpwnam(self.user.name).pw_shell if self.run_as == "user" else ""
+        args.append("--ServerApp.terminado_settings=" + json.dumps({"shell_command": [shell or "/bin/bash"]}))
         if self.run_as == "self" and os.getuid() == 0:
             args.append("--allow-root")
         return args
