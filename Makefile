@@ -77,7 +77,7 @@ node_modules/.bin/configurable-http-proxy: package.json
 
 # Debian packages the platform and the tests use (PostgreSQL for the production database tests,
 # Node.js for configurable-http-proxy, git for the dataset registries, headless Chromium and its driver for the
-# browser tests). Installed only when missing, and only when we can.
+# browser tests, as root Python's venv for the servers' environment). Installed only when missing, and only when we can.
 system-packages:
 	@missing=""; \
 	command -v initdb >/dev/null || test -x /usr/lib/postgresql/15/bin/initdb || missing="$$missing postgresql"; \
@@ -85,6 +85,7 @@ system-packages:
 	command -v git >/dev/null || missing="$$missing git"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
+	test -z "$(SERVER_ENV)" || $(SERVER_PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing:$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
