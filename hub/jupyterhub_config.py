@@ -25,7 +25,8 @@ if os.getuid() == 0:
         spawner.get("server_env") or default_server_env())
     if spawner.get("run_as") == "self" or (problem and os.environ.get(UNSAFE_SINGLE_USER) == "1"):
         # the admin's explicit choice (a one-user machine), said loudly at every start
-        why = "c.LocalGPUSpawner.run_as = 'self'" if spawner.get("run_as") == "self" else f"--unsafe-single-user ({problem})"
+        why = ("c.LocalGPUSpawner.run_as = 'self'" if spawner.get("run_as") == "self"
+               else f"--unsafe-single-user ({problem})")
         print(f"gpupool: WARNING: {why}: EVERY USER'S SERVER RUNS AS ROOT, can read the hub's state and become admin",
               file=sys.stderr, flush=True)
     elif problem:

@@ -275,8 +275,9 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     def _default_run_as(self):
         if os.getuid() != 0:
             return "self"
-        if os.environ.get(UNSAFE_SINGLE_USER) == "1" and not runnable_by_others(Path(self.server_env) / "bin" / "python"):
-            # gpupool up refused to start without the flag and said so loudly at start
+        isolated = runnable_by_others(Path(self.server_env) / "bin" / "python")
+        if not isolated and os.environ.get(UNSAFE_SINGLE_USER) == "1":
+            # without the flag, gpupool up refused to start; with it, it said so loudly at start
             return "self"
         return "user"
 

@@ -184,7 +184,8 @@ def test_root_defaults_pick_the_environment_and_servers_as_users(env, monkeypatc
 
     monkeypatch.delenv("GPUPOOL_SERVER_ENV", raising=False)
     monkeypatch.delenv("GPUPOOL_UNSAFE_SINGLE_USER", raising=False)
-    assert default_server_env() == str(ROOT_SERVER_ENV) if env == ROOT_SERVER_ENV else True
+    if env == ROOT_SERVER_ENV:
+        assert default_server_env() == str(ROOT_SERVER_ENV)
     spawner = LocalGPUSpawner(server_env=str(env))
     assert spawner.run_as == "user"
     assert spawner.cmd == [str(env / "bin" / "jupyterhub-singleuser")]
