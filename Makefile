@@ -7,15 +7,68 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.gpupool-installed
 PYTEST_ARGS ?=
 
-.PHONY: up test install system-packages clean cli
+.PHONY: up test install system-packages server-env clean cli
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml images/base/overrides.json
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@# servers run from here when gpupool does not run as root: JupyterLab's news and update check off
+	install -D -m 644 images/base/overrides.json $(VENV)/share/jupyter/lab/settings/overrides.json
 	@touch $@
 
-install: $(STAMP) system-packages node_modules/.bin/configurable-http-proxy
+install: $(STAMP) system-packages node_modules/.bin/configurable-http-proxy $(if $(SERVER_ENV),server-env)
+
+# The servers' environment (README: "Running as root or not"). As root: /opt/gpupool/env, on the system's
+# Python (an interpreter every user can run, wherever the checkout and pyenv live), readable by every user and
+# writable only by root, so servers run as their users. Empty (not root): servers run from .venv as the user
+# running gpupool. Its package list is images/base/requirements.in plus gpupool's own dependencies; gpupool is
+# installed from a wheel of this checkout (not editable: users cannot read the checkout) and reinstalled alone,
+# without its dependencies, when the sources change.
+SERVER_PYTHON ?= /usr/bin/python3.11
+SERVER_ENV ?= $(if $(filter 0,$(shell id -u)),/opt/gpupool/env,)
+export GPUPOOL_SERVER_ENV := $(SERVER_ENV)
+SERVER_WHEEL := build/server-env/.built
+SOURCES := setup.cfg pyproject.toml $(shell find hub spawner policies mlflow -type f -not -path '*/__pycache__/*')
+BASE_FILES := images/base/gpupool-platform-first.pth images/base/platform_first.py images/base/overrides.json
+
+server-env: $(SERVER_ENV)/.gpupool-installed
+
+$(SERVER_WHEEL): $(SOURCES) $(STAMP)
+	@echo "server environment: building the gpupool wheel"
+	rm -rf build/server-env
+	$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir build/server-env .
+	@touch $@
+
+# pip's --user needs a venv that includes site packages: platform_first.py (run by the .pth) drops the system's
+# again and puts users' own packages after the platform's.
+define server-env-files
+	install -m 644 images/base/gpupool-platform-first.pth $$($(SERVER_ENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/
+	install -m 644 images/base/platform_first.py $(SERVER_ENV)/lib/gpupool_platform_first.py
+	install -D -m 644 images/base/overrides.json $(SERVER_ENV)/share/jupyter/lab/settings/overrides.json
+	sed -i 's/^include-system-site-packages = false/include-system-site-packages = true/' $(SERVER_ENV)/pyvenv.cfg
+endef
+
+$(SERVER_ENV)/bin/python:
+	@echo "server environment: creating $(SERVER_ENV) on $(SERVER_PYTHON)"
+	@$(SERVER_PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { echo "$(SERVER_PYTHON) has no venv/ensurepip: apt-get install python3.11-venv, or set SERVER_PYTHON"; exit 1; }
+	install -d -m 755 $(dir $(SERVER_ENV))
+	$(SERVER_PYTHON) -m venv $(SERVER_ENV)
+	$(server-env-files)
+
+$(SERVER_ENV)/.requirements-installed: $(SERVER_ENV)/bin/python images/base/requirements.in setup.cfg | $(SERVER_WHEEL)
+	@echo "server environment: installing images/base/requirements.in and gpupool's dependencies into $(SERVER_ENV)"
+	$(SERVER_ENV)/bin/python -m pip install --quiet --upgrade pip
+	$(SERVER_ENV)/bin/python -m pip install --progress-bar off -r images/base/requirements.in build/server-env/gpupool-*.whl
+	@touch $@
+
+$(SERVER_ENV)/.gpupool-installed: $(SERVER_ENV)/.requirements-installed $(SERVER_WHEEL) $(BASE_FILES)
+	@echo "server environment: installing gpupool from this checkout into $(SERVER_ENV)"
+	$(SERVER_ENV)/bin/python -m pip install --quiet --no-deps --force-reinstall build/server-env/gpupool-*.whl
+	$(server-env-files)
+	chown -R root:root $(SERVER_ENV) 2>/dev/null || true
+	chmod -R u+rwX,go+rX,go-w $(SERVER_ENV)
+	@touch $@
 
 # JupyterHub's proxy, from the npm registry into the repository (package.json pins the range).
 node_modules/.bin/configurable-http-proxy: package.json
@@ -24,7 +77,7 @@ node_modules/.bin/configurable-http-proxy: package.json
 
 # Debian packages the platform and the tests use (PostgreSQL for the production database tests,
 # Node.js for configurable-http-proxy, git for the dataset registries, headless Chromium and its driver for the
-# browser tests). Installed only when missing, and only when we can.
+# browser tests, as root Python's venv for the servers' environment). Installed only when missing, and only when we can.
 system-packages:
 	@missing=""; \
 	command -v initdb >/dev/null || test -x /usr/lib/postgresql/15/bin/initdb || missing="$$missing postgresql"; \
@@ -32,6 +85,7 @@ system-packages:
 	command -v git >/dev/null || missing="$$missing git"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
+	test -z "$(SERVER_ENV)" || $(SERVER_PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing:$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \

@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--mlflow-backend-url",
                     help="MLflow's runs and model registry database (default: sqlite in the state folder; "
                          "production: postgresql+psycopg://USER@HOST/DB)")
+    up.add_argument("--unsafe-single-user", action="store_true",
+                    help="as root without a servers' environment every user can run: run users' servers as root "
+                         "anyway (no isolation: any user can read the hub's state and become admin); without "
+                         "this flag gpupool refuses to start then")
     up.set_defaults(func=_up)
 
     bill = commands.add_parser("bill", help="a team's bill for one month, from the usage ledger")

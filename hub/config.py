@@ -182,7 +182,6 @@ def apply_config(c, settings: Settings) -> None:
     c.LocalGPUSpawner.ledger_url = settings.ledger_url
     c.LocalGPUSpawner.team_root = settings.team_root
     c.Spawner.default_url = "/lab"
-    c.Spawner.cmd = [str(Path(sys.executable).parent / "jupyterhub-singleuser")]
     c.Spawner.environment = {"GPUPOOL_HUB_URL": settings.url}
     c.LocalGPUSpawner.mlflow_url = settings.mlflow_url if settings.mlflow else ""
 

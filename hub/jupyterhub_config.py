@@ -4,7 +4,11 @@ Settings come from GPUPOOL_* variables (see `gpupool up --help`). Files in `<sta
 are run afterwards with the same `c`, for anything gpupool does not set.
 """
 
+import os
+import sys
+
 from gpupool.hub.config import Settings, apply_config
+from gpupool.spawner.local import UNSAFE_SINGLE_USER, default_server_env, root_servers_problem
 
 c = get_config()  # noqa: F821 - provided by JupyterHub
 settings = Settings.from_env()
@@ -12,3 +16,20 @@ apply_config(c, settings)
 
 for extra in sorted((settings.state_dir / "jupyterhub_config.d").glob("*.py")):
     exec(compile(extra.read_text(), str(extra), "exec"), {"c": c, "get_config": lambda: c})
+
+# Users' servers run as their users when the hub runs as root, or it refuses to start (not per spawn): checked
+# after the extra files, which may set server_env or run_as.
+spawner = c.LocalGPUSpawner
+if os.getuid() == 0:
+    problem = "" if spawner.get("run_as") == "self" else root_servers_problem(
+        spawner.get("server_env") or default_server_env())
+    if spawner.get("run_as") == "self" or (problem and os.environ.get(UNSAFE_SINGLE_USER) == "1"):
+        # the admin's explicit choice (a one-user machine), said loudly at every start
+        why = ("c.LocalGPUSpawner.run_as = 'self'" if spawner.get("run_as") == "self"
+               else f"--unsafe-single-user ({problem})")
+        print(f"gpupool: WARNING: {why}: EVERY USER'S SERVER RUNS AS ROOT, can read the hub's state and become admin",
+              file=sys.stderr, flush=True)
+    elif problem:
+        raise SystemExit(f"gpupool up: refusing to start: {problem}. Users' servers would run as root, could read "
+                         f"the hub's state (its admin-scoped token among it) and become admin. On a machine with "
+                         f"one user, say so with `gpupool up --unsafe-single-user`.")

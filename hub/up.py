@@ -18,6 +18,7 @@ import psutil
 
 from gpupool.hub import lifecycle
 from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError, load_policy
+from gpupool.spawner.local import UNSAFE_SINGLE_USER
 
 CONFIG_FILE = Path(__file__).with_name("jupyterhub_config.py")
 
@@ -52,6 +53,9 @@ def up(args: argparse.Namespace) -> int:
         print(error, file=sys.stderr)
         print(f"gpupool up: the policies in {policy_dir} are invalid; fix them (gpupool policy check)", file=sys.stderr)
         return 1
+    # Whether users' servers can run as their users is checked by jupyterhub_config.py at start, once the extra
+    # config files are read too: it refuses to start without this flag when they would run as root.
+    unsafe = getattr(args, "unsafe_single_user", False)
     state = Path(args.state_dir).resolve()
     state.mkdir(parents=True, exist_ok=True)
     os.chmod(state, 0o700)
@@ -107,6 +111,7 @@ def up(args: argparse.Namespace) -> int:
         "GPUPOOL_MLFLOW_BACKEND_URL": getattr(args, "mlflow_backend_url", None) or "",
         "GPUPOOL_MLFLOW": "0" if getattr(args, "no_mlflow", False) else "1",
         "GPUPOOL_TEAM_ROOT": str(Path(args.team_root).resolve()) if getattr(args, "team_root", None) else "",
+        UNSAFE_SINGLE_USER: "1" if unsafe else "",
     }
     jupyterhub = Path(sys.executable).parent / "jupyterhub"
     announce_when_ready(url, login, lock)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import grp
+import json
 import os
 import pwd
 import shutil
@@ -99,6 +100,42 @@ def runnable_by_others(path: Path) -> bool:
     return bool(real.stat().st_mode & 0o001) and all(p.stat().st_mode & 0o001 for p in real.parents)
 
 
+#: Where `make install` builds the servers' environment when run as root.
+ROOT_SERVER_ENV = Path("/opt/gpupool/env")
+#: Set by `gpupool up --unsafe-single-user`: servers may run as root (no isolation between users).
+UNSAFE_SINGLE_USER = "GPUPOOL_UNSAFE_SINGLE_USER"
+
+
+def default_server_env() -> str:
+    """The servers' environment: `$GPUPOOL_SERVER_ENV`, the root install's, else the hub's own."""
+    configured = os.environ.get("GPUPOOL_SERVER_ENV")
+    if configured:
+        return configured
+    if os.getuid() == 0 and (ROOT_SERVER_ENV / "bin" / "python").exists():
+        return str(ROOT_SERVER_ENV)
+    return sys.prefix
+
+
+def root_servers_problem(server_env: str) -> str | None:
+    """Why users' servers could not run as their users on this root hub (None: they can, or this is not root).
+
+    Checked once when the platform starts, not per spawn: a root hub whose users' servers would fall back to
+    running as root (and could read the hub's state, its admin-scoped CLI token among it) refuses to start
+    unless told `--unsafe-single-user`.
+    """
+    if os.getuid() != 0:
+        return None
+    python = Path(server_env) / "bin" / "python"
+    if not python.exists():
+        return (f"there is no servers' environment at {server_env} (build it with `make install` as root, or "
+                f"set GPUPOOL_SERVER_ENV), so users' servers could not run as their users")
+    if not runnable_by_others(python):
+        return (f"{os.path.realpath(python)} cannot be run by other users (is it under /root?), so users' "
+                f"servers could not run as their users; build the servers' environment with `make install` as "
+                f"root (/opt/gpupool/env)")
+    return None
+
+
 def ensure_system_user(name: str, teams: list[str], log) -> None:
     """Root mode: the hub user as a system user, in one Unix group per team (created when missing)."""
     for team in teams:
@@ -162,6 +199,30 @@ def write_server_datasets(folder: Path, setup: ServerDatasets, owner: tuple[int,
     return env
 
 
+#: The system's PATH for servers that run as their users (the hub's own PATH may name folders only root reads).
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def server_env_paths(server_env: str, home: str, hub_path: str, run_as: str) -> dict[str, str]:
+    """PATH and the users' own packages of a server: the platform's tools first, then the user's, then the system's.
+
+    `pip install --user` and `%pip install` go to `PYTHONUSERBASE` in the home (the environment is not
+    writable by users), persist there across restarts, and come after the platform's packages on `sys.path`
+    (the environment's `platform_first` hook), so nothing a user installs can break the server.
+    """
+    user_base = str(Path(home) / ".local") if home else ""
+    system = SYSTEM_PATH if run_as == "user" else hub_path
+    path = [str(Path(server_env) / "bin"), *([str(Path(user_base) / "bin")] if user_base else []), system]
+    env = {
+        "PATH": ":".join(p for p in path if p),
+        # DVC's anonymous usage analytics (and its banner on `dvc init`) off: a private platform never phones home.
+        "DVC_NO_ANALYTICS": "1",
+    }
+    if user_base:
+        env["PYTHONUSERBASE"] = user_base
+    return env
+
+
 class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     """Runs each server as a local process holding a share of one of this machine's GPUs."""
 
@@ -178,10 +239,32 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     def _default_state_dir(self):
         return os.environ.get("GPUPOOL_STATE_DIR", str(Path.cwd() / "state"))
 
+    server_env = Unicode(
+        help="""
+        The Python environment every server runs from: its `jupyterhub-singleuser` is the server, its Python
+        the default kernel, and its `bin` comes first on the server's PATH (`python`, `pip`, `dvc`, `mlflow`,
+        `papermill`, `gpupool` in a terminal or a notebook's `!`). For servers that run as their users it must
+        be readable by every user and writable by none (`make install` builds `/opt/gpupool/env` as root).
+        Default: `$GPUPOOL_SERVER_ENV`, else `/opt/gpupool/env` when the hub runs as root and it exists,
+        else the hub's own environment.
+
+            c.LocalGPUSpawner.server_env = "/opt/gpupool/env"
+        """,
+    ).tag(config=True)
+
+    @default("server_env")
+    def _default_server_env(self):
+        return default_server_env()
+
+    @default("cmd")
+    def _default_cmd(self):
+        return [str(Path(self.server_env) / "bin" / "jupyterhub-singleuser")]
+
     run_as = Unicode(
         help="""
         `user`: each server runs as its hub user, a system user created when missing, in one Unix group per
-        team (needs root). `self`: every server runs as the user running the hub (a personal workstation).
+        team (needs root, and a `server_env` every user can run). `self`: every server runs as the user running
+        the hub (a personal workstation; as root only with `gpupool up --unsafe-single-user`).
         Default: `user` when the hub runs as root, else `self`.
 
             c.LocalGPUSpawner.run_as = "self"
@@ -192,12 +275,9 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     def _default_run_as(self):
         if os.getuid() != 0:
             return "self"
-        if not runnable_by_others(Path(sys.executable)):
-            self.log.warning(
-                "Running as root, but %s is not readable by other users (is it under /root?), so servers "
-                "cannot run as their users; running them as root. Install gpupool where every user can read it "
-                "(e.g. /opt/gpupool) for per-user servers.", os.path.realpath(sys.executable),
-            )
+        isolated = runnable_by_others(Path(self.server_env) / "bin" / "python")
+        if not isolated and os.environ.get(UNSAFE_SINGLE_USER) == "1":
+            # without the flag, gpupool up refused to start; with it, it said so loudly at start
             return "self"
         return "user"
 
@@ -288,6 +368,13 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     def get_args(self):
         args = super().get_args()
+        # A private platform does not phone home: no JupyterLab news feed, no update check (their prompts are
+        # off too, by the environment's JupyterLab settings overrides).
+        args += ["--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+        # Terminals start the user's shell interactive but not as a login shell (Jupyter's default under a
+        # spawner), whose /etc/profile would reset PATH and hide the platform's python, pip, dvc and mlflow.
+        shell = pwd.getpwnam(self.user.name).pw_shell if self.run_as == "user" else ""
+        args.append("--ServerApp.terminado_settings=" + json.dumps({"shell_command": [shell or "/bin/bash"]}))
         if self.run_as == "self" and os.getuid() == 0:
             args.append("--allow-root")
         return args
@@ -296,6 +383,7 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     def get_env(self):
         env = super().get_env()
+        env.update(server_env_paths(self.server_env, env.get("HOME", ""), env.get("PATH", ""), self.run_as))
         choice = self.gpupool_choice
         if choice is None:
             return env
