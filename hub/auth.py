@@ -75,13 +75,20 @@ def _refuse_new_names(handler, names) -> None:
 
 
 class UserAPIHandler(users_api.UserAPIHandler):
-    """`POST /hub/api/users/NAME` takes only names that pass the identity rule (JupyterHub checks none)."""
+    """`POST /hub/api/users/NAME` and renames (`PATCH` with a `name`) take only names that pass the rule."""
 
     @needs_scope("admin:users")
     async def post(self, user_name):
         if self.find_user(user_name) is None:  # an existing user gets JupyterHub's 409
             _refuse_new_names(self, [user_name])
         return await super().post(user_name)
+
+    @needs_scope("admin:users")
+    async def patch(self, user_name):
+        data = self.get_json_body()
+        if isinstance(data, dict) and isinstance(data.get("name"), str) and data["name"] != user_name:
+            _refuse_new_names(self, [data["name"]])  # a rename makes a new name
+        return await super().patch(user_name)
 
 
 class UserListAPIHandler(users_api.UserListAPIHandler):

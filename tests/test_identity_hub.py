@@ -55,6 +55,10 @@ def test_rest_api_creates_only_names_that_pass_the_rule(hub):
         assert reply.status_code == 400, (name, reply.status_code, reply.text)
         assert why in reply.json()["message"], (name, reply.json())
         assert hub.api("GET", f"/users/{quote(name)}").status_code == 404, name
+    assert hub.api("POST", "/users/frank").status_code == 201
+    reply = hub.api("PATCH", "/users/frank", json={"name": "vision"})
+    assert reply.status_code == 400 and "team's name" in reply.json()["message"]
+    assert hub.api("PATCH", "/users/frank", json={"name": "frank2"}).status_code == 200
     reply = hub.api("POST", "/users", json={"usernames": ["carol", "-rf"]})
     assert reply.status_code == 400 and "'-rf'" in reply.json()["message"]
     assert hub.api("GET", "/users/carol").status_code == 404, "nothing is half-made"
@@ -108,8 +112,12 @@ def terminal(hub: Hub, name: str, command: str, until: str, timeout: float = 120
     try:
         ws.send(json.dumps(["stdin", command + "\r"]))
         seen, deadline = "", time.monotonic() + timeout
+        ws.settimeout(2)  # short reads: the server's pings would keep a long one waiting forever
         while until not in seen and time.monotonic() < deadline:
-            message = json.loads(ws.recv())
+            try:
+                message = json.loads(ws.recv())
+            except websocket.WebSocketTimeoutException:
+                continue
             if message[0] == "stdout":
                 seen += message[1]
         assert until in seen, seen
