@@ -76,6 +76,7 @@ class ServerDatasets:
     credentials: str = ""
     env: dict[str, object] = field(default_factory=dict)
     git_config: str = ""
+    safe_directories: str = ""
 
 
 def git_config_text(registries: Sequence[str], user: str = "", email: str = "") -> str:
@@ -91,6 +92,15 @@ def git_config_text(registries: Sequence[str], user: str = "", email: str = "") 
         lines += ["[user]", f"\tname = {user}", f"\temail = {email or user}"]
     lines += ["[safe]"] + [f"\tdirectory = {path}" for path in registries]
     return "\n".join(lines) + "\n"
+
+
+def safe_directories_text(registries: Sequence[str]) -> str:
+    """A git config listing only the team registries as safe directories, for the user's global config.
+
+    libgit2 (what DVC opens a registry with in `dvc get` and `dvc import`) reads `safe.directory` from the
+    user's global config only, never from `GIT_CONFIG_SYSTEM`; this file is what that config includes.
+    """
+    return "\n".join(["[safe]"] + [f"\tdirectory = {path}" for path in registries]) + "\n"
 
 
 def dvc_config_text(remotes: Sequence[Remote], default: str, with_profiles: bool) -> str:
@@ -154,7 +164,7 @@ def server_datasets(policy: Policy, teams: Sequence[str], default: str, team_roo
     registries = [posixpath.join(team_root, remote.team, REGISTRY_FOLDER) for remote in remotes]
     return ServerDatasets(remotes, default, dvc_config_text(remotes, default, with_profiles=True),
                           credentials_text(remotes, credentials or {}), env,
-                          git_config_text(registries, git_user, git_email))
+                          git_config_text(registries, git_user, git_email), safe_directories_text(registries))
 
 
 def read_credentials_file(text: str) -> dict[str, dict[str, str]]:

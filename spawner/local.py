@@ -130,6 +130,27 @@ def ensure_team_folder(root: Path, team: str, as_root: bool) -> Path:
     return folder
 
 
+#: The comment above the line gpupool adds to a user's `~/.gitconfig` (once).
+SAFE_INCLUDE_NOTE = "# gpupool: your teams' dataset registries as safe.directory (for dvc get/import)"
+
+
+def include_in_git_config(home: Path, include: Path) -> None:
+    """Make `~/.gitconfig` include `include` (once), run as the user: libgit2 reads safe.directory only there.
+
+    Called in the server's preexec after it became the user, so a symlink the user planted can only lead to
+    the user's own files; a failure leaves the config as it was and the server starts anyway.
+    """
+    config = home / ".gitconfig"
+    line = f"\tpath = {include}\n"
+    try:
+        text = config.read_text() if config.exists() else ""
+        if line not in text:
+            with open(config, "a") as out:
+                out.write(("" if not text or text.endswith("\n") else "\n") + f"{SAFE_INCLUDE_NOTE}\n[include]\n{line}")
+    except (OSError, UnicodeDecodeError):
+        pass
+
+
 def write_server_datasets(folder: Path, setup: ServerDatasets, owner: tuple[int, int] | None) -> dict[str, str]:
     """Write a server's DVC config and credentials into its private `folder`; the environment pointing there.
 
@@ -293,8 +314,11 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         if self.run_as == "user":
             become_user = super().make_preexec_fn(self.unix_account)  # not the hub name: never `postgres`
 
+            safe, home = self.safe_directories_file, Path(pwd.getpwnam(self.unix_account).pw_dir)
+
             def preexec():
                 become_user()
+                include_in_git_config(home, safe)
                 # Group-writable by default, so that teammates can add to what one member pushed into the
                 # setgid team folder (DVC remote, registry); a home stays private: its group is the user's own.
                 os.umask(0o007)
@@ -337,6 +361,11 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         return env
 
     @property
+    def safe_directories_file(self) -> Path:
+        """The user's list of team registries as git safe directories (root's, readable), for libgit2."""
+        return Path(self.server_config_root) / self.user.name / "safe-directories.gitconfig"
+
+    @property
     def server_folder(self) -> Path:
         """Private per-server files (DVC's global config, credentials), outside the user's repositories."""
         return Path(self.server_config_root) / self.user.name / (f"named-{self.name}" if self.name else "default")
@@ -351,7 +380,15 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         parent.mkdir(parents=True, exist_ok=True)
         for folder in (parent.parent, parent):  # the hub's: users pass through to their own folder, list nothing
             os.chmod(folder, 0o711)
-        env = write_server_datasets(self.server_folder, self.server_datasets(self.team_root), owner)
+        setup = self.server_datasets(self.team_root)
+        env = write_server_datasets(self.server_folder, setup, owner)
+        if self.run_as == "user":
+            # In the hub's folder that users pass through and cannot write: replaced whole, never written through.
+            temporary = self.safe_directories_file.with_suffix(".new")
+            temporary.unlink(missing_ok=True)
+            temporary.write_text(setup.safe_directories)
+            os.chmod(temporary, 0o644)
+            os.replace(temporary, self.safe_directories_file)
         # For `gpupool datasets` in the server: the same team folders and policies as the hub's.
         env["GPUPOOL_TEAM_ROOT"] = self.team_root
         env["GPUPOOL_POLICIES"] = self.policy_dir

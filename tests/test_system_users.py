@@ -25,7 +25,7 @@ import pytest
 
 from gpupool.policies.identity import unix_group, unix_user
 from gpupool.spawner.accounts import IdentityConflict
-from gpupool.spawner.datasets import Remote, dvc_config_text, git_config_text
+from gpupool.spawner.datasets import Remote, dvc_config_text, git_config_text, safe_directories_text
 from gpupool.spawner.local import ensure_system_user, ensure_team_folder, runnable_by_others
 
 pytestmark = pytest.mark.skipif(
@@ -246,14 +246,31 @@ def test_team_remote_and_registry_are_shared_inside_the_team_and_closed_outside(
         os.chown(gitconfig, account.pw_uid, account.pw_gid)
         env_of[user]["GIT_CONFIG_SYSTEM"] = str(gitconfig)
         clone = Path(account.pw_dir) / "registry"
-        script = (f"git clone --quiet {registry} {clone} && cd {clone} && echo {user} > {user}.txt && "
-                  f"git add {user}.txt && git commit --quiet -m 'from {user}' && git push --quiet origin HEAD:main")
+        dvc_init = f"{SYSTEM_PYTHON} -m dvc init -q && " if user == alice else ""  # a registry is a DVC repository
+        script = (f"git clone --quiet {registry} {clone} && cd {clone} && {dvc_init}echo {user} > {user}.txt && "
+                  f"git add -A && git commit --quiet -m 'from {user}' && git push --quiet origin HEAD:main")
         done = run(user, "sh", "-c", script, cwd="/tmp")
         assert done.returncode == 0, done.stderr
     log_lines = run(carol, "git", "-C", registry, "log", "--format=%an <%ae>", "main", cwd="/tmp").stdout.split("\n")
     assert log_lines[:2] == [f"{carol} <{carol}@example.org>", f"{alice} <{alice}@example.org>"]
     denied = run(bob, "git", "clone", "--quiet", registry, "/tmp/" + bob, cwd="/tmp")
     assert denied.returncode != 0
+
+    # `dvc get` of the team registry opens it with libgit2, which reads safe.directory only from the user's
+    # global config: the server's preexec makes ~/.gitconfig include the hub's list of registries.
+    safe = root / "safe-directories.gitconfig"
+    safe.write_text(safe_directories_text([str(registry)]))
+    os.chmod(safe, 0o644)
+    carol_home = Path(pwd.getpwnam(unix_user(carol)).pw_dir)
+    include = (f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r}); "  # the editable install's finder
+               f"from pathlib import Path; from gpupool.spawner.local import include_in_git_config as i; "
+               f"i(Path({str(carol_home)!r}), Path({str(safe)!r})); i(Path({str(carol_home)!r}), Path({str(safe)!r}))")
+    done = run(carol, SYSTEM_PYTHON, "-c", include, cwd="/tmp")
+    assert done.returncode == 0, done.stderr
+    assert (carol_home / ".gitconfig").read_text().count(str(safe)) == 1
+    done = run(carol, "sh", "-c", f"mkdir got && cd got && {SYSTEM_PYTHON} -m dvc ls {registry}",
+               cwd=carol_home)
+    assert done.returncode == 0 and f"{carol}.txt" in done.stdout.split(), (done.stdout, done.stderr)
 
 
 def test_runnable_by_others(tmp_path):
