@@ -32,7 +32,7 @@ def test_names_are_case_folded_and_nfkc(raw, normal):
 ])
 def test_names_outside_the_pattern_are_refused_with_the_rule(name):
     problem = username_problem(normalize_username(name))
-    assert problem is not None and "lower-case letters" in problem or "required" in problem
+    assert problem is not None and ("lower-case letters" in problem or "required" in problem), problem
 
 
 @pytest.mark.parametrize("name, why", [
