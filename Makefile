@@ -76,13 +76,15 @@ node_modules/.bin/configurable-http-proxy: package.json
 	@touch $@
 
 # Debian packages the platform and the tests use (PostgreSQL for the production database tests,
-# Node.js for configurable-http-proxy, git for the dataset registries, headless Chromium and its driver for the
-# browser tests, as root Python's venv for the servers' environment). Installed only when missing, and only when we can.
+# Node.js for configurable-http-proxy, git for the dataset registries, acl for the team folders' default ACLs,
+# headless Chromium and its driver for the browser tests, as root Python's venv for the servers' environment).
+# Installed only when missing, and only when we can.
 system-packages:
 	@missing=""; \
 	command -v initdb >/dev/null || test -x /usr/lib/postgresql/15/bin/initdb || missing="$$missing postgresql"; \
 	command -v npm >/dev/null || missing="$$missing nodejs npm"; \
 	command -v git >/dev/null || missing="$$missing git"; \
+	command -v setfacl >/dev/null || missing="$$missing acl"; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
 	test -z "$(SERVER_ENV)" || $(SERVER_PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \

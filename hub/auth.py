@@ -1,13 +1,32 @@
-"""Login for the embedded mode: NativeAuthenticator (sign up, an admin approves) with a generated first admin."""
+"""Login for the embedded mode: NativeAuthenticator (sign up, an admin approves) with a generated first admin.
+
+It is also the door of gpupool's one identity rule (`gpupool.policies.identity`): names are normalised
+here, and a new name (sign-up page, `POST /hub/api/users/NAME`, `POST /hub/api/users`) or a name given to a
+group (`POST /hub/api/groups/G/users`) that breaks the rule is refused with a message saying why.
+"""
 
 from __future__ import annotations
 
+import os
+import pwd
 from pathlib import Path
 
+from jupyterhub import orm
+from jupyterhub.apihandlers import groups as groups_api
+from jupyterhub.apihandlers import users as users_api
+from jupyterhub.scopes import needs_scope
 from nativeauthenticator import NativeAuthenticator
 from nativeauthenticator import handlers as native_handlers
 from nativeauthenticator.orm import UserInfo
-from traitlets import Unicode
+from tornado import web
+from traitlets import Unicode, default
+
+from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError
+from gpupool.policies.identity import new_username_problem, normalize_username, username_problem
+from gpupool.spawner.mixin import current_policy
+
+#: Accounts below this uid (and `nobody`) are the machine's system accounts, reserved as hub names.
+SYSTEM_UID_LIMIT = 1000
 
 
 class _NoTimer:
@@ -34,6 +53,83 @@ class LoginHandler(native_handlers.LoginHandler):
         return getattr(super(), "statsd", None) or _NoStatsd()
 
 
+class SignUpHandler(native_handlers.SignUpHandler):
+    """The sign-up page, saying why a refused name is refused instead of NativeAuthenticator's guesses."""
+
+    def get_result_message(self, user, assume_user_is_human, username_already_taken, confirmation_matches,
+                           user_is_admin):
+        if user is None and assume_user_is_human and not username_already_taken and confirmation_matches:
+            problem = self.authenticator.new_username_problem(self.get_body_argument("username", "", strip=False))
+            if problem:
+                return "alert-danger", f"Sign-up refused: {problem}."
+        return super().get_result_message(user, assume_user_is_human, username_already_taken,
+                                          confirmation_matches, user_is_admin)
+
+
+def _refuse_new_names(handler, names) -> None:
+    """A 400 naming the first name in `names` that cannot be a new user."""
+    for name in names:
+        problem = handler.authenticator.new_username_problem(name, exact=True)
+        if problem:
+            raise web.HTTPError(400, "%s", f"{problem}")
+
+
+class UserAPIHandler(users_api.UserAPIHandler):
+    """`POST /hub/api/users/NAME` and renames (`PATCH` with a `name`) take only names that pass the rule."""
+
+    @needs_scope("admin:users")
+    async def post(self, user_name):
+        if self.find_user(user_name) is None:  # an existing user gets JupyterHub's 409
+            _refuse_new_names(self, [user_name])
+        return await super().post(user_name)
+
+    @needs_scope("admin:users")
+    async def patch(self, user_name):
+        data = self.get_json_body()
+        if isinstance(data, dict) and isinstance(data.get("name"), str) and data["name"] != user_name:
+            _refuse_new_names(self, [data["name"]])  # a rename makes a new name
+        return await super().patch(user_name)
+
+
+class UserListAPIHandler(users_api.UserListAPIHandler):
+    """`POST /hub/api/users {"usernames": [...]}`: every new name passes the identity rule, or none is made."""
+
+    @needs_scope("admin:users")
+    async def post(self):
+        data = self.get_json_body()
+        if isinstance(data, dict) and isinstance(data.get("usernames"), list):
+            names = data["usernames"]
+            if not all(isinstance(n, str) for n in names):
+                raise web.HTTPError(400, "usernames must be a list of strings")
+            _refuse_new_names(self, [n for n in names if self.find_user(n) is None])
+        return await super().post()
+
+
+class GroupUsersAPIHandler(groups_api.GroupUsersAPIHandler):
+    """`POST/DELETE /hub/api/groups/G/users`: names exactly as the hub keeps them, never a near-match."""
+
+    def _usernames_to_users(self, usernames):
+        if not isinstance(usernames, list) or not all(isinstance(n, str) for n in usernames):
+            raise web.HTTPError(400, "users must be a list of user names")
+        for name in usernames:
+            normal = self.authenticator.normalize_username(name)
+            if normal != name:
+                raise web.HTTPError(400, "%s", f"{name!r} is not a user name as the hub keeps it (user names are "
+                                              f"normalised: did you mean {normal!r}?)")
+            problem = username_problem(name)
+            if problem:
+                raise web.HTTPError(400, "%s", problem)
+        return super()._usernames_to_users(usernames)
+
+
+#: JupyterHub's REST routes whose handlers gpupool replaces (authenticator routes come first, so they win).
+IDENTITY_API_HANDLERS = {
+    users_api.UserAPIHandler: UserAPIHandler,
+    users_api.UserListAPIHandler: UserListAPIHandler,
+    groups_api.GroupUsersAPIHandler: GroupUsersAPIHandler,
+}
+
+
 class GPUPoolNativeAuthenticator(NativeAuthenticator):
     """NativeAuthenticator whose first admin exists from the start, with a password `gpupool up` generated.
 
@@ -49,13 +145,60 @@ class GPUPoolNativeAuthenticator(NativeAuthenticator):
         """,
     ).tag(config=True)
 
+    policy_dir = Unicode(
+        help="""The gpupool policies, whose team names no user may take.
+
+            c.GPUPoolNativeAuthenticator.policy_dir = "/etc/gpupool/policies"
+        """,
+    ).tag(config=True)
+
+    @default("policy_dir")
+    def _default_policy_dir(self):
+        return os.environ.get("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR))
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ensure_first_admin()
 
     def get_handlers(self, app):
-        return [(route, LoginHandler if handler is native_handlers.LoginHandler else handler)
+        replaced = {LoginHandler: native_handlers.LoginHandler, SignUpHandler: native_handlers.SignUpHandler}
+        ours = [(route, next((mine for mine, theirs in replaced.items() if handler is theirs), handler))
                 for route, handler in super().get_handlers(app)]
+        api = [(route, IDENTITY_API_HANDLERS[handler])
+               for route, handler in users_api.default_handlers + groups_api.default_handlers
+               if handler in IDENTITY_API_HANDLERS]
+        return ours + api
+
+    # --- the identity rule ------------------------------------------------------------------------------
+
+    def normalize_username(self, username):
+        name = normalize_username(username)
+        return self.username_map.get(name, name)
+
+    def validate_username(self, username):
+        """The pattern only: a name that passed it at sign-up keeps logging in (new names: below)."""
+        return username_problem(username) is None
+
+    def new_username_problem(self, username: str, exact: bool = False) -> str | None:
+        """Why `username` cannot be a new user, or None. `exact`: the name must already be normalised (REST)."""
+        name = self.normalize_username(username)
+        if exact and name != username:
+            return (f"{username!r} is not in the form user names are kept in (normalised: case folded, Unicode "
+                    f"NFKC): did you mean {name!r}?")
+        if name in self.admin_users:  # the operator's own choice, e.g. the first admin `admin`
+            return username_problem(name)
+        try:
+            teams = list(current_policy(self.policy_dir, self.log).teams)
+        except PolicyError as error:
+            return f"the policies in {self.policy_dir} cannot be read, so no name can be checked ({error})"
+        existing = {n for (n,) in self.db.query(orm.User.name)} | {n for (n,) in self.db.query(UserInfo.username)}
+        system = {p.pw_name for p in pwd.getpwall() if p.pw_uid < SYSTEM_UID_LIMIT or p.pw_name == "nobody"}
+        return new_username_problem(name, existing, teams, system)
+
+    def create_user(self, username, password, **kwargs):
+        if self.new_username_problem(username):
+            return None
+        return super().create_user(username, password, **kwargs)
 
     def ensure_first_admin(self) -> None:
         if not self.admin_password_hash_file or not self.admin_users:

@@ -188,6 +188,7 @@ def apply_config(c, settings: Settings) -> None:
     if settings.authenticator == "native":
         c.JupyterHub.authenticator_class = "gpupool.hub.auth.GPUPoolNativeAuthenticator"
         c.GPUPoolNativeAuthenticator.admin_password_hash_file = str(state / "admin.bcrypt")
+        c.GPUPoolNativeAuthenticator.policy_dir = str(settings.policy_dir)  # team names are reserved
         c.GPUPoolNativeAuthenticator.open_signup = False
         c.GPUPoolNativeAuthenticator.minimum_password_length = 10
         # NativeAuthenticator only lets in users an admin approved, so every approved user may log in.

@@ -355,11 +355,12 @@ def team_datasets(policy: Policy, team: str, team_root: str | Path) -> Listing:
 
 def ensure_team_storage(policy: Policy, registry: Registry, team_root: str | Path) -> None:
     """Folder storage: the team folder (group-private, 2770) and the remote folder inside it."""
+    from gpupool.policies.identity import unix_group
     from gpupool.spawner.local import ensure_team_folder
 
     team = registry.remote.team
     if not (Path(team_root) / team).is_dir():  # a member's server finds it made (and owned) by the hub
-        ensure_team_folder(Path(team_root), team, os.geteuid() == 0 and _group_exists(team))
+        ensure_team_folder(Path(team_root), team, os.geteuid() == 0 and _group_exists(unix_group(team)))
     remote = Path(registry.remote.url)
     if policy.datasets.storage == "folder" and not remote.is_dir():
         remote.mkdir(parents=True)

@@ -76,17 +76,31 @@ class ServerDatasets:
     credentials: str = ""
     env: dict[str, object] = field(default_factory=dict)
     git_config: str = ""
+    safe_directories: str = ""
 
 
-def git_config_text(registries: Sequence[str]) -> str:
-    """A git system config: the machine's own, plus the team registries as safe directories.
+def git_config_text(registries: Sequence[str], user: str = "", email: str = "") -> str:
+    """A git system config: the machine's own, the hub user as commit author, the team registries as safe.
 
     A registry belongs to whoever created it; git refuses any other owner's repository ("dubious ownership")
-    unless it is listed in a protected config, and a repository's own config cannot list itself.
+    unless it is listed in a protected config, and a repository's own config cannot list itself. The author
+    comes before nothing else can set one, so `git commit` works in a new server ("Author identity
+    unknown" otherwise); the user's own `~/.gitconfig` still wins, being read after the system config.
     """
-    lines = ["[include]", "\tpath = /etc/gitconfig", "[safe]"]
-    lines += [f"\tdirectory = {path}" for path in registries]
+    lines = ["[include]", "\tpath = /etc/gitconfig"]
+    if user:
+        lines += ["[user]", f"\tname = {user}", f"\temail = {email or user}"]
+    lines += ["[safe]"] + [f"\tdirectory = {path}" for path in registries]
     return "\n".join(lines) + "\n"
+
+
+def safe_directories_text(registries: Sequence[str]) -> str:
+    """A git config listing only the team registries as safe directories, for the user's global config.
+
+    libgit2 (what DVC opens a registry with in `dvc get` and `dvc import`) reads `safe.directory` from the
+    user's global config only, never from `GIT_CONFIG_SYSTEM`; this file is what that config includes.
+    """
+    return "\n".join(["[safe]"] + [f"\tdirectory = {path}" for path in registries]) + "\n"
 
 
 def dvc_config_text(remotes: Sequence[Remote], default: str, with_profiles: bool) -> str:
@@ -95,8 +109,13 @@ def dvc_config_text(remotes: Sequence[Remote], default: str, with_profiles: bool
 
     config = ConfigObj()
     config["core"] = {"remote": default}
+    # Teammates share objects: DVC then makes cache and folder-remote files 0664 and folders 2775 (not
+    # 0444 and umask-dependent), so what one member pushed, another can pull and add to.
+    config["cache"] = {"shared": "group"}
     for remote in remotes:
         section: dict[str, str] = {"url": remote.url}
+        if not remote.is_s3:
+            section["shared"] = "group"
         if remote.is_s3:
             if remote.endpoint_url:
                 section["endpointurl"] = remote.endpoint_url
@@ -124,13 +143,14 @@ def credentials_text(remotes: Sequence[Remote], credentials: Mapping[str, Mappin
 
 def server_datasets(policy: Policy, teams: Sequence[str], default: str, team_root: str, *,
                     credentials: Mapping[str, Mapping[str, str]] | None = None,
-                    secret_name: str | None = None) -> ServerDatasets:
+                    secret_name: str | None = None, git_user: str = "", git_email: str = "") -> ServerDatasets:
     """The remotes of a server charged to `default` whose user is in `teams`.
 
     Embedded (`credentials` given, from the admin's credentials file): every team of the user is a remote,
     each S3 remote with its team's AWS profile. Kubernetes (`secret_name`, a pattern with `{team}`): the
     default team's credentials come from its Secret as environment variables, the pod holds no other
-    team's keys, so only the default team's remote is configured.
+    team's keys, so only the default team's remote is configured. `git_user` and `git_email` are the commit
+    author of the embedded server's git config.
     """
     names = [default] if secret_name is not None else [default, *[t for t in teams if t != default]]
     remotes = tuple(team_remote(policy, team, team_root) for team in names)
@@ -143,7 +163,8 @@ def server_datasets(policy: Policy, teams: Sequence[str], default: str, team_roo
         return ServerDatasets(remotes, default, dvc_config_text(remotes, default, with_profiles=False), "", env)
     registries = [posixpath.join(team_root, remote.team, REGISTRY_FOLDER) for remote in remotes]
     return ServerDatasets(remotes, default, dvc_config_text(remotes, default, with_profiles=True),
-                          credentials_text(remotes, credentials or {}), env, git_config_text(registries))
+                          credentials_text(remotes, credentials or {}), env,
+                          git_config_text(registries, git_user, git_email), safe_directories_text(registries))
 
 
 def read_credentials_file(text: str) -> dict[str, dict[str, str]]:

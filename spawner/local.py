@@ -26,7 +26,11 @@ from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import AdmissionRequest, Holdings
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
 from gpupool.hub.accounting.notify import admit_now
+from gpupool.policies.identity import unix_group, unix_user
 from gpupool.policies.model import Policy, parse_quantity
+from gpupool.spawner.accounts import (
+    DEFAULT_RECORD, Account, IdentityConflict, ensure_account, is_shared_with_group, share_with_group,
+)
 from gpupool.spawner.datasets import ServerDatasets
 from gpupool.spawner.mixin import Choice, GPUPoolSpawnerMixin
 from gpupool.spawner.pool import (
@@ -136,35 +140,52 @@ def root_servers_problem(server_env: str) -> str | None:
     return None
 
 
-def ensure_system_user(name: str, teams: list[str], log) -> None:
-    """Root mode: the hub user as a system user, in one Unix group per team (created when missing)."""
-    for team in teams:
-        try:
-            grp.getgrnam(team)
-        except KeyError:
-            subprocess.run(["groupadd", team], check=True)
-            log.info("created Unix group %s", team)
-    try:
-        pwd.getpwnam(name)
-    except KeyError:
-        subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", name], check=True)
-        log.info("created system user %s", name)
-    current = {g.gr_name for g in grp.getgrall() if name in g.gr_mem}
-    missing = [t for t in teams if t not in current]
-    if missing:
-        subprocess.run(["usermod", "--append", "--groups", ",".join(missing), name], check=True)
+def ensure_system_user(name: str, teams: list[str], log, record: str | Path = DEFAULT_RECORD) -> Account:
+    """Root mode: hub user `name` as gpupool's account `gp-NAME`, in gpupool's group of each of its teams.
+
+    Team groups are made first; an account or group of those names gpupool did not create is an error
+    (`IdentityConflict`), never adopted (see `gpupool.spawner.accounts`).
+    """
+    return ensure_account(name, teams, log, record)
 
 
 def ensure_team_folder(root: Path, team: str, as_root: bool) -> Path:
-    """A group-private folder for the team's shared data: setgid, mode 2770, owned by the team's group."""
+    """A group-private folder for the team's shared data: setgid 2770, owned by the team's group, default ACLs.
+
+    As root the folder belongs to gpupool's group of the team (`gpteam-TEAM`), which must exist already
+    (`ensure_system_user` makes it), and its default ACLs make whatever a member adds inside readable and
+    writable by the team.
+    """
     folder = root / team
     folder.mkdir(parents=True, exist_ok=True)
     if as_root:
-        os.chown(folder, 0, grp.getgrnam(team).gr_gid)
-        os.chmod(folder, 0o2770)
+        gid = grp.getgrnam(unix_group(team)).gr_gid
+        if not is_shared_with_group(folder, gid):
+            share_with_group(folder, gid)
     else:
         os.chmod(folder, 0o2770)
     return folder
+
+
+#: The comment above the line gpupool adds to a user's `~/.gitconfig` (once).
+SAFE_INCLUDE_NOTE = "# gpupool: your teams' dataset registries as safe.directory (for dvc get/import)"
+
+
+def include_in_git_config(home: Path, include: Path) -> None:
+    """Make `~/.gitconfig` include `include` (once), run as the user: libgit2 reads safe.directory only there.
+
+    Called in the server's preexec after it became the user, so a symlink the user planted can only lead to
+    the user's own files; a failure leaves the config as it was and the server starts anyway.
+    """
+    config = home / ".gitconfig"
+    line = f"\tpath = {include}\n"
+    try:
+        text = config.read_text() if config.exists() else ""
+        if line not in text:
+            with open(config, "a") as out:
+                out.write(("" if not text or text.endswith("\n") else "\n") + f"{SAFE_INCLUDE_NOTE}\n[include]\n{line}")
+    except (OSError, UnicodeDecodeError):
+        pass
 
 
 def write_server_datasets(folder: Path, setup: ServerDatasets, owner: tuple[int, int] | None) -> dict[str, str]:
@@ -296,6 +317,18 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     def _default_team_root(self):
         return str(Path(self.state_dir) / "teams")
 
+    identity_record = Unicode(
+        DEFAULT_RECORD,
+        help="""
+        Root mode: the record of the Unix accounts (`gp-USER`) and groups (`gpteam-TEAM`) gpupool created,
+        with their uids and gids. It lies outside the state folder on purpose: a reinstall with a new state
+        folder finds it and gives every user the uid their files already belong to. An account or group of
+        such a name that the record does not hold is refused, never adopted.
+
+            c.LocalGPUSpawner.identity_record = "/var/lib/gpupool/identities.json"
+        """,
+    ).tag(config=True)
+
     server_config_root = Unicode(
         help="""
         Where each server's private DVC config, git config and dataset credentials are written, in
@@ -338,9 +371,18 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     # --- users and folders ----------------------------------------------------------------------------
 
+    @property
+    def unix_account(self) -> str:
+        """The Unix account this user's servers run as in root mode (gpupool's own, never a system account)."""
+        return unix_user(self.user.name)
+
     def user_env(self, env):
         if self.run_as == "user":
-            return super().user_env(env)
+            account = pwd.getpwnam(self.unix_account)
+            env["USER"] = account.pw_name
+            env["HOME"] = account.pw_dir
+            env["SHELL"] = account.pw_shell or "/bin/bash"
+            return env
         home = Path(self.state_dir) / "home" / self.user.name
         home.mkdir(parents=True, exist_ok=True)
         env["USER"] = self.user.name
@@ -350,10 +392,13 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     def make_preexec_fn(self, name):
         if self.run_as == "user":
-            become_user = super().make_preexec_fn(name)
+            become_user = super().make_preexec_fn(self.unix_account)  # not the hub name: never `postgres`
+
+            safe, home = self.safe_directories_file, Path(pwd.getpwnam(self.unix_account).pw_dir)
 
             def preexec():
                 become_user()
+                include_in_git_config(home, safe)
                 # Group-writable by default, so that teammates can add to what one member pushed into the
                 # setgid team folder (DVC remote, registry); a home stays private: its group is the user's own.
                 os.umask(0o007)
@@ -404,6 +449,11 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         return env
 
     @property
+    def safe_directories_file(self) -> Path:
+        """The user's list of team registries as git safe directories (root's, readable), for libgit2."""
+        return Path(self.server_config_root) / self.user.name / "safe-directories.gitconfig"
+
+    @property
     def server_folder(self) -> Path:
         """Private per-server files (DVC's global config, credentials), outside the user's repositories."""
         return Path(self.server_config_root) / self.user.name / (f"named-{self.name}" if self.name else "default")
@@ -412,13 +462,21 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         """The team remotes as DVC's user-level config, written for this server; its environment variables."""
         owner = None
         if self.run_as == "user":
-            account = pwd.getpwnam(self.user.name)
+            account = pwd.getpwnam(self.unix_account)
             owner = (account.pw_uid, account.pw_gid)
         parent = self.server_folder.parent
         parent.mkdir(parents=True, exist_ok=True)
         for folder in (parent.parent, parent):  # the hub's: users pass through to their own folder, list nothing
             os.chmod(folder, 0o711)
-        env = write_server_datasets(self.server_folder, self.server_datasets(self.team_root), owner)
+        setup = self.server_datasets(self.team_root)
+        env = write_server_datasets(self.server_folder, setup, owner)
+        if self.run_as == "user":
+            # In the hub's folder that users pass through and cannot write: replaced whole, never written through.
+            temporary = self.safe_directories_file.with_suffix(".new")
+            temporary.unlink(missing_ok=True)
+            temporary.write_text(setup.safe_directories)
+            os.chmod(temporary, 0o644)
+            os.replace(temporary, self.safe_directories_file)
         # For `gpupool datasets` in the server: the same team folders and policies as the hub's.
         env["GPUPOOL_TEAM_ROOT"] = self.team_root
         env["GPUPOOL_POLICIES"] = self.policy_dir
@@ -430,7 +488,10 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         choice = self.gpupool_choice
         teams = self.user_teams()
         if self.run_as == "user":
-            await asyncio.to_thread(ensure_system_user, self.user.name, teams, self.log)
+            try:
+                await asyncio.to_thread(ensure_system_user, self.user.name, teams, self.log, self.identity_record)
+            except IdentityConflict as error:
+                raise web.HTTPError(409, str(error)) from None
         for team in teams:
             ensure_team_folder(Path(self.team_root), team, self.run_as == "user")
         if choice.profile.gpu is not None:

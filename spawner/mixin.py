@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import html
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from traitlets.config import LoggingConfigurable
 
 from gpupool.hub.wiring import SERVER_TOKEN_SCOPES
 from gpupool.policies import DEFAULT_POLICY_DIR, Policy, PolicyError, load_policy
+from gpupool.policies.identity import server_username_problem
 from gpupool.policies.loader import policy_file_paths
 from gpupool.policies.model import Profile
 from gpupool.spawner.datasets import ServerDatasets, read_credentials_file, server_datasets
@@ -119,6 +121,17 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
         """,
     ).tag(config=True)
 
+    git_email = Unicode(
+        "{username}@{hostname}",
+        help="""
+        Embedded mode: the commit e-mail of each server's git config (the author name is the hub user's
+        name), so that `git commit` works in a new server. `{username}` is the hub user, `{hostname}` this
+        machine's name. A user's own `git config --global user.email` still takes precedence.
+
+            c.LocalGPUSpawner.git_email = "{username}@lab.example.org"
+        """,
+    ).tag(config=True)
+
     mlflow_url = Unicode(
         "",
         help="""
@@ -212,6 +225,10 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
 
     @staticmethod
     def _apply_choice(spawner, user_options) -> None:
+        problem = server_username_problem(spawner.user.name, spawner.policy.teams)
+        if problem:
+            raise web.HTTPError(403, f"no server can start for this user: {problem}. An administrator renames "
+                                     "the user (PATCH /hub/api/users/NAME with a new name)")
         choice = spawner.gpupool_choice = spawner.check_user_options(user_options or {})
         # The choice as checked, defaults filled in, is what the hub keeps and shows (`read:servers`): the
         # accounting service reads a server's team and profile there, and a restart spawns the same again.
@@ -242,7 +259,9 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
             if missing:
                 self.log.warning("%s has no profile for team(s) %s: their S3 remotes will refuse access",
                                  self.dataset_credentials_file, ", ".join(missing))
-        return server_datasets(self.policy, self.user_teams(), choice.team, team_root, credentials=credentials)
+        email = self.git_email.format(username=self.user.name, hostname=socket.gethostname())
+        return server_datasets(self.policy, self.user_teams(), choice.team, team_root, credentials=credentials,
+                               git_user=self.user.name, git_email=email)
 
     def apply_choice(self, choice: Choice) -> None:
         """Set the spawner's traits from a checked choice (subclasses add what their backend needs)."""

@@ -447,15 +447,17 @@ root_only = pytest.mark.skipif(os.getuid() != 0 or shutil.which("useradd") is No
 def test_nlp_user_can_neither_read_nor_write_the_vision_folder(tmp_path_factory):
     import uuid
 
+    from gpupool.policies.identity import unix_group, unix_user
     from gpupool.spawner.local import ensure_system_user
 
     tag = uuid.uuid4().hex[:6]
     vision, nlp, alice, nadia = f"gpv{tag}", f"gpn{tag}", f"gpa{tag}", f"gpd{tag}"
     root = Path(f"/tmp/gpupool-datasets-{tag}")  # not under pytest's root-private tmp folders
+    record = root / "identities.json"
     try:
-        ensure_system_user(alice, [vision], __import__("logging").getLogger("test"))
-        ensure_system_user(nadia, [nlp], __import__("logging").getLogger("test"))
         root.mkdir(mode=0o755)
+        ensure_system_user(alice, [vision], __import__("logging").getLogger("test"), record)
+        ensure_system_user(nadia, [nlp], __import__("logging").getLogger("test"), record)
         policies = root / "policies"
         policies.mkdir()
         for name, text in {**POLICY, "teams.yaml": f"teams:\n  {vision}: {{}}\n  {nlp}: {{}}\n",
@@ -475,8 +477,8 @@ def test_nlp_user_can_neither_read_nor_write_the_vision_folder(tmp_path_factory)
 
         def as_user(user, *command):
             env = {**os.environ, **({"GIT_CONFIG_SYSTEM": str(gitconfig)} if user == alice else {})}
-            return subprocess.run(["runuser", "-u", user, "--", *map(str, command)], capture_output=True, text=True,
-                                  check=False, cwd="/tmp", env=env)
+            return subprocess.run(["runuser", "-u", unix_user(user), "--", *map(str, command)], capture_output=True,
+                                  text=True, check=False, cwd="/tmp", env=env)
 
         assert as_user(alice, "touch", folder / "dvc" / "pushed-by-alice").returncode == 0
         assert as_user(alice, "git", "clone", "--quiet", folder / "datasets.git", f"/tmp/{alice}-clone").returncode == 0
@@ -490,13 +492,14 @@ def test_nlp_user_can_neither_read_nor_write_the_vision_folder(tmp_path_factory)
         # A server of alice's pushes with the spawner's umask: what it creates, teammates may extend.
         from gpupool.spawner.local import LocalGPUSpawner
 
-        spawner = LocalGPUSpawner(policy_dir=str(policies), state_dir=str(root / "state"), run_as="user")
+        spawner = LocalGPUSpawner(policy_dir=str(policies), state_dir=str(root / "state"), run_as="user",
+                                  identity_record=str(record))
         spawner.user = type("UserDouble", (), {"name": alice, "groups": []})()  # a double of JupyterHub's User
         made = subprocess.run(["sh", "-c", f"umask; mkdir -p {folder}/dvc/files/md5/ab"], cwd="/tmp",
                               preexec_fn=spawner.make_preexec_fn(alice), capture_output=True, text=True, check=True)
         assert made.stdout.strip() == "0007"
         made_dir = folder / "dvc" / "files" / "md5" / "ab"
-        assert oct(made_dir.stat().st_mode)[-4:] == "2770" and made_dir.stat().st_gid == grp.getgrnam(vision).gr_gid
+        assert oct(made_dir.stat().st_mode)[-4:] == "2770" and made_dir.stat().st_gid == grp.getgrnam(unix_group(vision)).gr_gid
 
         # The server's own DVC config: alice reads it, nadia cannot; what alice plants in it is not written through.
         spawner.user = type("UserDouble", (), {"name": alice, "groups": [type("G", (), {"name": vision})()]})()
@@ -515,8 +518,8 @@ def test_nlp_user_can_neither_read_nor_write_the_vision_folder(tmp_path_factory)
         assert victim.read_text() == "untouched" and not config.is_symlink()
     finally:
         for user in (alice, nadia):
-            subprocess.run(["userdel", "--remove", user], capture_output=True, check=False)
-        for group in (vision, nlp):
+            subprocess.run(["userdel", "--remove", unix_user(user)], capture_output=True, check=False)
+        for group in (unix_group(vision), unix_group(nlp), unix_user(alice), unix_user(nadia)):
             subprocess.run(["groupdel", group], capture_output=True, check=False)
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(f"/tmp/{alice}-clone", ignore_errors=True)

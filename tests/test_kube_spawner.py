@@ -488,7 +488,7 @@ async def test_pod_gets_the_team_remote_and_its_secret():
     assert env["AWS_SECRET_ACCESS_KEY"] == {"secretKeyRef": {"name": "pool-datasets-vision",
                                                              "key": "AWS_SECRET_ACCESS_KEY"}}
     assert env["DVC_GLOBAL_CONFIG_DIR"] == "/tmp/gpupool-dvc"
-    assert env["GPUPOOL_DVC_CONFIG"] == ("[core]\nremote = vision\n['remote \"vision\"']\n"
+    assert env["GPUPOOL_DVC_CONFIG"] == ("[core]\nremote = vision\n[cache]\nshared = group\n['remote \"vision\"']\n"
                                          "url = s3://gpupool-vision/dvc\nendpointurl = https://s3.example.org\n")
     assert notebook["lifecycle"]["postStart"]["exec"]["command"][:2] == ["sh", "-c"]
 

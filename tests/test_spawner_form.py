@@ -60,3 +60,13 @@ def test_apply_choice_extends_start_timeout_by_the_queue_timeout():
     spawner._apply_choice(spawner, {"profile": "h200-quarter"})  # twice: not added twice
     assert spawner.start_timeout == base + 3600
     assert spawner.mem_limit == 32 * 2**30 and spawner.cpu_limit == 8.0  # 32Gi, 8 CPUs
+
+
+@pytest.mark.parametrize("name, why", [("vision", "team's name"), ("Alice", "not accepted"), ("-rf", "not accepted"),
+                                       ("a.b", "not accepted")])
+def test_no_server_starts_for_a_name_outside_the_identity_rule(name, why):
+    """A user made before the rule (or by another authenticator) is refused by the spawner, saying why."""
+    spawner = spawner_for(name, ["nlp"])
+    with pytest.raises(web.HTTPError) as refused:
+        spawner._apply_choice(spawner, {})
+    assert refused.value.status_code == 403 and why in refused.value.log_message

@@ -1,0 +1,86 @@
+"""The one identity rule (gpupool.policies.identity): normal form, pattern, reserved and confusable names."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from kubespawner.slugs import is_valid_label, safe_slug
+
+from gpupool.policies.identity import (
+    MAX_UNIX_NAME, MAX_USERNAME, new_username_problem, normalize_username, server_username_problem, skeleton,
+    unix_group, unix_user, username_problem,
+)
+
+valid_names = st.from_regex(r"[a-z](?:-?[a-z0-9]){0,14}", fullmatch=True)
+
+
+@pytest.mark.parametrize("raw, normal", [
+    ("Alice", "alice"), ("ALICE", "alice"), ("ａｌｉｃｅ", "alice"), ("ﬁona", "fiona"), ("Straße", "strasse"),
+    ("alice", "alice"),
+])
+def test_names_are_case_folded_and_nfkc(raw, normal):
+    assert normalize_username(raw) == normal
+
+
+@pytest.mark.parametrize("name", [
+    "аlice",  # Cyrillic а
+    "-rf", "--help", "a.b", "alice.", "a b", "a/b", "a--b", "alice-", "1alice", "_x", "a_b", "", "x" * 30,
+    "alice\n", "ali\u200bce", "..", "a;b",
+])
+def test_names_outside_the_pattern_are_refused_with_the_rule(name):
+    problem = username_problem(normalize_username(name))
+    assert problem is not None and ("lower-case letters" in problem or "required" in problem), problem
+
+
+@pytest.mark.parametrize("name, why", [
+    ("vision", "team's name"), ("postgres", "reserved"), ("root", "reserved"), ("admin", "reserved"),
+    ("www-data", "reserved"), ("sysadmin", "administrator"), ("adm1n", "administrator"),
+    ("a-lice", "existing user 'alice'"), ("al1ce", "existing user 'alice'"), ("v1sion", "team 'vision'"),
+    ("daemon", "reserved"), ("ntp", "system account"),
+])
+def test_reserved_and_confusable_names_are_refused(name, why):
+    problem = new_username_problem(name, existing={"alice", "bob"}, teams={"vision", "nlp"},
+                                   system_accounts={"ntp"})
+    assert problem is not None and why in problem
+
+
+def test_ordinary_names_pass():
+    for name in ("carol", "ana-maria", "bob2", "x", "q0"):
+        assert new_username_problem(name, existing={"alice", "bob"}, teams={"vision", "nlp"}) is None
+
+
+@given(valid_names)
+def test_every_accepted_name_is_its_own_slug_label_path_segment_and_unix_name(name):
+    assert username_problem(name) is None
+    assert normalize_username(name) == name
+    assert safe_slug(name) == name and is_valid_label(name)  # KubeSpawner keeps it as it is: one name in both modes
+    assert "/" not in name and name not in (".", "..")
+    assert re.fullmatch(r"[a-z_][a-z0-9_-]*", unix_user(name)) and len(unix_user(name)) <= MAX_UNIX_NAME
+
+
+@given(st.text(max_size=40))
+def test_any_text_is_refused_or_a_valid_name(text):
+    name = normalize_username(text)
+    if username_problem(name) is None:
+        assert re.fullmatch(r"[a-z](?:-?[a-z0-9])*", name) and len(name) <= MAX_USERNAME
+        assert name.isascii()
+
+
+@given(valid_names, valid_names)
+def test_user_accounts_never_meet_team_groups(user, team):
+    assert unix_user(user) != unix_group(team)
+    assert unix_user(user) != team and unix_group(team) != user  # and neither is a bare hub name
+
+
+@given(valid_names)
+def test_confusable_names_have_one_skeleton(name):
+    assert skeleton(name) == skeleton(name.upper()) == skeleton(name.replace("l", "1"))
+
+
+def test_spawners_refuse_a_user_named_like_a_team_or_outside_the_pattern():
+    assert "team's name" in server_username_problem("vision", ["vision", "nlp"])
+    assert server_username_problem("Alice", ["vision"]) is not None
+    assert server_username_problem("alice", ["vision"]) is None
