@@ -283,8 +283,8 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     run_as = Unicode(
         help="""
-        `user`: each server runs as its hub user, a system user created when missing, in one Unix group per
-        team (needs root, and a `server_env` every user can run). `self`: every server runs as the user running
+        `user`: each server runs as its hub user's own Unix account `gp-NAME` (created when missing), in
+        gpupool's group `gpteam-TEAM` of each of its teams (needs root, and a `server_env` every user can run). `self`: every server runs as the user running
         the hub (a personal workstation; as root only with `gpupool up --unsafe-single-user`).
         Default: `user` when the hub runs as root, else `self`.
 
@@ -418,7 +418,7 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         args += ["--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
         # Terminals start the user's shell interactive but not as a login shell (Jupyter's default under a
         # spawner), whose /etc/profile would reset PATH and hide the platform's python, pip, dvc and mlflow.
-        shell = pwd.getpwnam(self.user.name).pw_shell if self.run_as == "user" else ""
+        shell = pwd.getpwnam(self.unix_account).pw_shell if self.run_as == "user" else ""
         args.append("--ServerApp.terminado_settings=" + json.dumps({"shell_command": [shell or "/bin/bash"]}))
         if self.run_as == "self" and os.getuid() == 0:
             args.append("--allow-root")
