@@ -284,8 +284,8 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     run_as = Unicode(
         help="""
         `user`: each server runs as its hub user's own Unix account `gp-NAME` (created when missing), in
-        gpupool's group `gpteam-TEAM` of each of its teams (needs root, and a `server_env` every user can run). `self`: every server runs as the user running
-        the hub (a personal workstation; as root only with `gpupool up --unsafe-single-user`).
+        gpupool's group `gpteam-TEAM` of each of its teams (needs root, and a `server_env` every user can
+        run). `self`: every server runs as the user running the hub (a personal workstation; as root only with `gpupool up --unsafe-single-user`).
         Default: `user` when the hub runs as root, else `self`.
 
             c.LocalGPUSpawner.run_as = "self"
