@@ -17,7 +17,6 @@ $(STAMP): setup.cfg pyproject.toml images/base/overrides.json
 	install -D -m 644 images/base/overrides.json $(VENV)/share/jupyter/lab/settings/overrides.json
 	@touch $@
 
-install: $(STAMP) system-packages node_modules/.bin/configurable-http-proxy $(if $(SERVER_ENV),server-env)
 
 # The servers' environment (README: "Running as root or not"). As root: /opt/gpupool/env, on the system's
 # Python (an interpreter every user can run, wherever the checkout and pyenv live), readable by every user and
@@ -31,6 +30,9 @@ export GPUPOOL_SERVER_ENV := $(SERVER_ENV)
 SERVER_WHEEL := build/server-env/.built
 SOURCES := setup.cfg pyproject.toml $(shell find hub spawner policies mlflow -type f -not -path '*/__pycache__/*')
 BASE_FILES := images/base/gpupool-platform-first.pth images/base/platform_first.py images/base/overrides.json
+
+# (after SERVER_ENV is defined: make expands a rule's prerequisites when it reads the rule)
+install: $(STAMP) system-packages node_modules/.bin/configurable-http-proxy $(if $(SERVER_ENV),server-env)
 
 server-env: $(SERVER_ENV)/.gpupool-installed
 
