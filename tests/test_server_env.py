@@ -31,6 +31,7 @@ import requests
 import websocket
 
 from gpupool.hub.harness import GPUPOOL, Hub
+from gpupool.policies.identity import unix_group, unix_user
 from gpupool.spawner.local import ROOT_SERVER_ENV, default_server_env, runnable_by_others, server_env_paths
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0 or shutil.which("useradd") is None,
@@ -145,12 +146,12 @@ def platform(env):
             hub.api("DELETE", f"/users/{user}/server")
         hub.stop()
         for process in psutil.process_iter(["username"]):  # nothing of the test users outlives the test
-            if process.info["username"] in (alice, bob):
+            if process.info["username"] in (unix_user(alice), unix_user(bob)):
                 process.kill()
         for user in (alice, bob):
-            subprocess.run(["userdel", "--remove", user], capture_output=True, check=False)
+            subprocess.run(["userdel", "--remove", unix_user(user)], capture_output=True, check=False)
             shutil.rmtree(f"/run/gpupool/servers/{user}", ignore_errors=True)
-        subprocess.run(["groupdel", team], capture_output=True, check=False)
+        subprocess.run(["groupdel", unix_group(team)], capture_output=True, check=False)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -252,7 +253,7 @@ def test_server_runs_as_its_user_and_cannot_read_the_hub_state(platform, env):
     terminal = Terminal(hub, alice)
     try:
         status, out = terminal.run("id -un; id -u")
-        assert status == 0 and out.split()[-2:] == [alice, str(pwd.getpwnam(alice).pw_uid)], out
+        assert status == 0 and out.split()[-2:] == [unix_user(alice), str(pwd.getpwnam(unix_user(alice)).pw_uid)], out
         for secret in ("cli-token", "admin.bcrypt", "jupyterhub_cookie_secret"):
             status, out = terminal.run(f"cat {hub.state / secret}")
             assert status != 0 and "Permission denied" in out, out
@@ -261,7 +262,7 @@ def test_server_runs_as_its_user_and_cannot_read_the_hub_state(platform, env):
     finally:
         terminal.close()
     kernel = hub.run_in_kernel(alice, "import os, sys; print(os.getuid(), sys.executable)")
-    assert kernel.split() == [str(pwd.getpwnam(alice).pw_uid), str(env / "bin" / "python")]
+    assert kernel.split() == [str(pwd.getpwnam(unix_user(alice)).pw_uid), str(env / "bin" / "python")]
 
 
 def test_the_terminal_has_the_platforms_tools_first_on_path(platform, env):
@@ -311,9 +312,9 @@ def test_users_own_packages_persist_and_touch_nobody_else(platform, env):
         terminal.close()
     out = hub.run_in_kernel(alice, f"%pip install --no-index {by_kernel}")
     assert "Successfully installed" in out, out
-    home = Path(pwd.getpwnam(alice).pw_dir)
+    home = Path(pwd.getpwnam(unix_user(alice)).pw_dir)
     installed = list((home / ".local" / "lib").glob(f"python3.11/site-packages/{first}/__init__.py"))
-    assert installed and installed[0].stat().st_uid == pwd.getpwnam(alice).pw_uid
+    assert installed and installed[0].stat().st_uid == pwd.getpwnam(unix_user(alice)).pw_uid
     assert tree_hash(site_packages) == before, "a user's install changed the shared environment"
 
     restart(hub, alice)
@@ -326,7 +327,7 @@ def test_users_own_packages_persist_and_touch_nobody_else(platform, env):
 
 def test_a_users_copy_of_a_platform_package_cannot_break_the_server(platform, env):
     hub, alice = platform["hub"], platform["alice"]
-    account = pwd.getpwnam(alice)
+    account = pwd.getpwnam(unix_user(alice))
     site = Path(account.pw_dir) / ".local" / "lib" / "python3.11" / "site-packages"
     # What a user's stray `pip install --user --force` or copy leaves: packages of the platform's names that raise.
     for name in ("jupyter_server", "jupyterhub", "tornado"):
@@ -372,7 +373,7 @@ def test_papermill_runs_a_parameterised_notebook_in_the_terminal(platform):
         "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
         "nbformat": 4, "nbformat_minor": 5,
     }
-    account = pwd.getpwnam(alice)
+    account = pwd.getpwnam(unix_user(alice))
     home = Path(account.pw_dir)
     (home / "in.ipynb").write_text(json.dumps(notebook))
     os.chown(home / "in.ipynb", account.pw_uid, account.pw_gid)
@@ -387,7 +388,7 @@ def test_papermill_runs_a_parameterised_notebook_in_the_terminal(platform):
 
 def test_an_nbgitpuller_link_clones_a_repository_into_the_home(platform):
     hub, alice, root = platform["hub"], platform["alice"], platform["root"]
-    account = pwd.getpwnam(alice)
+    account = pwd.getpwnam(unix_user(alice))
     source = root / "course"
     source.mkdir()
     (source / "lesson.md").write_text("# lesson one\n")
