@@ -251,10 +251,11 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             self.mem_limit = int(parse_quantity(profile.memory.limit))  # bytes: 32Gi and 32G both exact
         if profile.cpu.limit:
             self.cpu_limit = float(parse_quantity(profile.cpu.limit))
-        # Waiting in the queue must not count against start_timeout: allow the queue timeout on top.
+        # Waiting in the queue must not count against start_timeout: a profile that can queue (one with a GPU
+        # share) gets the queue timeout on top; one that never queues keeps the configured timeout.
         base = getattr(self, "_gpupool_base_start_timeout", None) or self.start_timeout
         self._gpupool_base_start_timeout = base
-        self.start_timeout = base + self.policy.queue_timeout(choice.team)
+        self.start_timeout = base + (self.policy.queue_timeout(choice.team) if profile.gpu is not None else 0)
 
     # --- users and folders ----------------------------------------------------------------------------
 
@@ -357,6 +358,13 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
                 allocation = await self.pool.acquire(request, timeout=self.policy.queue_timeout(choice.team))
             except (QueueTimeout, Denied) as error:
                 raise web.HTTPError(503 if isinstance(error, QueueTimeout) else 403, str(error)) from None
+            except asyncio.CancelledError:
+                # Stopped while waiting (the progress page's button, DELETE on the server). JupyterHub cleans up
+                # after a failed start but not after a cancelled one: the server record it made for this spawn
+                # would stay, making the server look ready (a redirect loop to a server that never ran).
+                self.log.info("%s left the queue: its spawn was cancelled", self._log_name)
+                self.server = None
+                raise
             queue_wait = max(timedelta(0), periods.utcnow() - queued)
             self.allocation_key, self.allocation_cards = allocation.key, allocation.cards
             if self.policy.settings.mps == "auto" and self.pool.devices_are_real:
@@ -374,12 +382,16 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     async def progress(self):
         yield {"progress": 5, "message": "Checking the profile against your teams' quotas and the pool"}
+        shown = None
         while True:
             ticket = self.pool.ticket(self.pool_key)
             if ticket is None:
                 break
             ticket.changed.clear()
-            yield {"progress": 10, "message": ticket.message()}
+            message = ticket.message()
+            if message != shown:  # a position or reason that did not change is not news
+                shown = message
+                yield {"progress": 10, "message": message}
             try:
                 await asyncio.wait_for(ticket.changed.wait(), 5)
             except TimeoutError:
@@ -389,27 +401,35 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
                                               f"{', '.join(self.allocation_cards)}; starting JupyterLab"}
 
     async def poll(self):
-        if self._stop_pending:
-            # Being stopped: the process ending now is the stop, which closes the usage itself ("stopped").
-            return await super().poll()
-        # Checked before JupyterHub's own `kill(pid, 0)`, which a zombie or a reused PID would pass.
-        if self.pid and not process_alive(self.pid, self.pid_started):
+        if not self.pid:
+            return await super().poll()  # nothing started yet (or waiting in the queue): nothing to give back
+        if self.proc is None and not process_alive(self.pid, self.pid_started):
+            # Adopted after a hub restart, so no Popen to ask: JupyterHub's own `kill(pid, 0)` would take a zombie
+            # or a reused PID for the server. The exit status is unknown then: 0, as JupyterHub says.
             self.log.warning("%s (PID %s) is gone; freeing its share", self._log_name, self.pid)
-            self._free(HowEnded.FAILED)  # JupyterHub does not call stop() for a server that is already gone
             self.clear_state()
-            return 1
-        status = await super().poll()
-        if status is not None and self.allocation_key and not self._spawn_pending:
-            self._free(HowEnded.FAILED)
-        elif status is None:
+            status = 0
+        else:
+            status = await super().poll()  # our child: Popen reaps it and gives its exit status
+        if status is None:
             self.see_usage()
+        elif not self._stopping:
+            # Ended on its own: JupyterHub does not call stop() for a server that is already gone.
+            self._free(HowEnded.FAILED)
         return status
 
+    #: True while stop() ends the server, so that the process ending then is booked as stopped, not failed.
+    _stopping = False
+
     async def stop(self, now=False):
-        self.see_usage()  # seen alive as the stop begins: a slow shutdown is not mistaken for a vanished server
+        # Polled first: a server that already died is booked as failed when it was last seen; a running one is
+        # seen alive as the stop begins, so a slow shutdown is not mistaken for a vanished server.
+        await self.poll()
+        self._stopping = True
         try:
             await super().stop(now=now)
         finally:
+            self._stopping = False
             self._free(HowEnded.STOPPED)
 
     def _free(self, how: HowEnded = HowEnded.FAILED) -> None:
