@@ -32,6 +32,7 @@ from gpupool.spawner.pool import (
     AllocationStore, Decide, Denied, LocalPool, QueueTimeout, Request, Verdict, discover_cards, process_alive,
     process_start_time,
 )
+from gpupool.spawner.requeue import requeue
 from gpupool.spawner.resources import profile_share
 
 _pools: dict[str, LocalPool] = {}
@@ -231,6 +232,15 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     def _default_server_config_root(self):
         return "/run/gpupool/servers" if self.run_as == "user" else str(Path(self.state_dir) / "servers")
 
+    queue_service_token = Unicode(
+        "",
+        help="""
+        A hub API token with the `servers` scope, with which the requests that waited in the queue when the
+        hub stopped (or crashed) are started again, in their order, once it is back. `gpupool up` makes one
+        for every start. Empty: such requests are given up, and their users told so on their home page.
+        """,
+    ).tag(config=True)
+
     allocation_key: str | None = None
     allocation_cards: tuple[str, ...] = ()
     pid_started: float | None = None
@@ -241,7 +251,16 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     @property
     def pool(self) -> LocalPool:
-        return get_pool(self.state_dir, lambda: self.policy, self.ledger, self.log)
+        pool = get_pool(self.state_dir, lambda: self.policy, self.ledger, self.log)
+        if pool.restoring and not getattr(pool, "requeue_started", False):
+            pool.requeue_started = True
+            if self.queue_service_token and self.hub is not None:
+                asyncio.ensure_future(requeue(pool, self.hub.api_url, self.queue_service_token, self.log))
+            else:
+                for key in pool.restoring:
+                    pool.store.mark_lost(key, "the hub restarted and gpupool has no token to queue it again")
+                pool.restored()
+        return pool
 
     # --- traits from the choice -----------------------------------------------------------------------
 
@@ -355,7 +374,8 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             )
             queued = periods.utcnow()
             try:
-                allocation = await self.pool.acquire(request, timeout=self.policy.queue_timeout(choice.team))
+                allocation = await self.pool.acquire(request, timeout=self.policy.queue_timeout(choice.team),
+                                                     options=dict(self.user_options or {}))
             except (QueueTimeout, Denied) as error:
                 raise web.HTTPError(503 if isinstance(error, QueueTimeout) else 403, str(error)) from None
             except asyncio.CancelledError:
@@ -402,7 +422,10 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     async def poll(self):
         if not self.pid:
-            return await super().poll()  # nothing started yet (or waiting in the queue): nothing to give back
+            # Nothing started. A spawn of this hub cancelled in the queue is stopped here (the hub polls as it
+            # stops): it does not come back after a restart. One from before a restart waits to be asked again.
+            self.pool.forget(self.pool_key)
+            return await super().poll()
         if self.proc is None and not process_alive(self.pid, self.pid_started):
             # Adopted after a hub restart, so no Popen to ask: JupyterHub's own `kill(pid, 0)` would take a zombie
             # or a reused PID for the server. The exit status is unknown then: 0, as JupyterHub says.

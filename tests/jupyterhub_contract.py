@@ -25,6 +25,9 @@ from gpupool.spawner.local import LocalGPUSpawner
 
 #: JupyterHub tests that differ by design: test (module::name, without parameters for all of them) -> why.
 DIFFERENCES: dict[str, str] = {
+    "test_spawner::test_predefined_options_from_form[default]":
+        "the default options_from_form reads gpupool's profile form (profile, image), not passthrough; "
+        "a configured 'simple', 'passthrough' or callable still wins (the other cases of this test)",
 }
 
 _ROOT = Path(tempfile.mkdtemp(prefix="gpupool-contract-"))
@@ -91,13 +94,14 @@ def _name(item: pytest.Item) -> str:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     seen = set()
+    modules = {_name(item).partition("::")[0] for item in items}
     for item in items:
         name = _name(item)
         for key in (name, f"{name}[{item.name.partition('[')[2]}"):
             if key in DIFFERENCES:
                 seen.add(key)
                 item.add_marker(pytest.mark.xfail(reason=f"gpupool by design: {DIFFERENCES[key]}", strict=True))
-    stale = sorted(set(DIFFERENCES) - seen)
+    stale = sorted(name for name in set(DIFFERENCES) - seen if name.partition("::")[0] in modules)
     if stale:
         raise pytest.UsageError(
             "DIFFERENCES in tests/jupyterhub_contract.py names JupyterHub tests that no longer exist: "
