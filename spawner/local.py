@@ -18,6 +18,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner
+from sqlalchemy.orm import object_session
 from tornado import web
 from traitlets import Unicode, default
 
@@ -384,6 +385,10 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
                 # would stay, making the server look ready (a redirect loop to a server that never ran).
                 self.log.info("%s left the queue: its spawn was cancelled", self._log_name)
                 self.server = None
+                # Committed at once: the hub rolls back what is uncommitted when any request handler finishes.
+                session = object_session(self.orm_spawner) if self.orm_spawner is not None else None
+                if session is not None:
+                    session.commit()
                 raise
             queue_wait = max(timedelta(0), periods.utcnow() - queued)
             self.allocation_key, self.allocation_cards = allocation.key, allocation.cards
