@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner
@@ -48,6 +48,36 @@ def admission(policy_of: Callable[[], Policy], ledger: Ledger, log) -> Decide:
         return Verdict(decision.action, "" if decision.admitted else decision.reason, decision.priority)
 
     return decide
+
+
+def exit_record(state_dir: str, pid: int, started: float | None) -> Path:
+    """Where the exit watcher of the server process `pid` (started at `started`) writes when it ended."""
+    return Path(state_dir) / "exits" / f"{pid}-{int(started or 0)}"
+
+
+def watch_exit(pid: int, record: Path) -> None:
+    """Record when process `pid` ends, even while the hub is down: a detached `tail --pid`, then the time.
+
+    Run by the hub's user, outside the server's session, into the hub's own state folder, so a server cannot
+    write its own end. It notices an end within a second once the process is reaped (at once when the hub is
+    down: orphans are reaped by init). The shell and `tail` cost about 2 MB per server.
+    """
+    record.parent.mkdir(mode=0o700, exist_ok=True)
+    script = ('(tail --pid="$1" -s 1 -f /dev/null; date -u +%s.%N > "$2.tmp" && mv "$2.tmp" "$2") '
+              '</dev/null >/dev/null 2>&1 &')
+    # The outer shell exits at once (so nothing is left for the hub to reap); its background child goes on.
+    subprocess.run(["sh", "-c", script, "gpupool-exit-watch", str(pid), str(record)], check=False,
+                   start_new_session=True, stdin=subprocess.DEVNULL)
+
+
+def read_exit_record(record: Path) -> datetime | None:
+    """When the watched process ended (aware UTC), consuming the record; None when there is none."""
+    try:
+        ended = datetime.fromtimestamp(float(record.read_text().strip()), UTC)
+    except (OSError, ValueError):
+        return None
+    record.unlink(missing_ok=True)
+    return ended
 
 
 def get_pool(state_dir: str, policy_of: Callable[[], Policy], ledger: Ledger, log) -> LocalPool:
@@ -400,6 +430,7 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             self._free()
             raise
         self.pid_started = process_start_time(self.pid)
+        watch_exit(self.pid, exit_record(self.state_dir, self.pid, self.pid_started))
         if self.allocation_key:
             self.pool.store.mark_running(self.allocation_key, self.pid)
             self.open_usage(queue_wait)
@@ -434,11 +465,15 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         if self.proc is None and not process_alive(self.pid, self.pid_started):
             # Adopted after a hub restart, so no Popen to ask: JupyterHub's own `kill(pid, 0)` would take a zombie
             # or a reused PID for the server. The exit status is unknown then: 0, as JupyterHub says.
-            self.log.warning("%s (PID %s) is gone; freeing its share", self._log_name, self.pid)
+            # Its exit watcher knows when it ended, though no one heard it: the hub was down.
+            ended = read_exit_record(exit_record(self.state_dir, self.pid, self.pid_started))
+            self.log.warning("%s (PID %s) is gone%s; freeing its share", self._log_name, self.pid,
+                             f" (ended {ended:%Y-%m-%d %H:%M:%S} UTC)" if ended else "")
             self.clear_state()
-            status = 0
-        else:
-            status = await super().poll()  # our child: Popen reaps it and gives its exit status
+            if not self._stopping:
+                self._free(HowEnded.FAILED, end=ended)
+            return 0
+        status = await super().poll()  # our child: Popen reaps it and gives its exit status
         if status is None:
             self.see_usage()
         elif not self._stopping:
@@ -460,10 +495,12 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             self._stopping = False
             self._free(HowEnded.STOPPED)
 
-    def _free(self, how: HowEnded = HowEnded.FAILED) -> None:
-        """Give the share back and close the server's usage interval (both idempotent)."""
-        # A server that died unseen counts until it was last seen alive.
-        self.close_usage(how, at_last_seen=how is HowEnded.FAILED)
+    def _free(self, how: HowEnded = HowEnded.FAILED, end: datetime | None = None) -> None:
+        """Give the share back and close the server's usage interval (both idempotent).
+
+        `end`: when it ended, if known; else now, or for one that died unseen when it was last seen alive.
+        """
+        self.close_usage(how, at_last_seen=how is HowEnded.FAILED and end is None, end=end)
         self.pool.release(self.pool_key)
         self.allocation_key, self.allocation_cards = None, ()
 
