@@ -13,6 +13,7 @@ import pwd
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -90,6 +91,10 @@ def get_pool(state_dir: str, policy_of: Callable[[], Policy], ledger: Ledger, lo
         pool = LocalPool(cards, AllocationStore(Path(state_dir) / "allocations.sqlite"), decide)
         pool.devices_are_real = source == "nvml"
         _pools[state_dir] = pool
+        # Exit records nobody read (servers the hub stopped itself) are only clutter after a day.
+        for record in (Path(state_dir) / "exits").glob("*"):
+            if time.time() - record.stat().st_mtime > 86400:
+                record.unlink(missing_ok=True)
     return pool
 
 

@@ -28,6 +28,22 @@ DIFFERENCES: dict[str, str] = {
     "test_spawner::test_predefined_options_from_form[default]":
         "the default options_from_form reads gpupool's profile form (profile, image), not passthrough; "
         "a configured 'simple', 'passthrough' or callable still wins (the other cases of this test)",
+    # user_options are checked against the policy: only profile, team and image, as the policy allows them.
+    "test_api::test_spawn": "user_options {'s': …, 'i': 5} are refused with a 400 naming the accepted keys",
+    "test_api::test_user_options": "arbitrary user_options are refused with a 400 naming the accepted keys",
+    "test_named_servers::test_named_server_spawn_form":
+        "FormSpawner's form fields (energy, …) are not gpupool user_options: a 400 naming the accepted keys",
+    "test_named_servers::test_named_server_spawn_with_opts":
+        "query options (energy, opt-…) are not gpupool user_options: a 400 naming the accepted keys",
+    # The server model shows what gpupool keeps.
+    "test_named_servers::test_default_server":
+        "the server's state has gpupool's keys (allocation, choice, usage run, process start time) beside pid, "
+        "and user_options are the checked choice with defaults filled in ({'profile': …, 'team': …})",
+    "test_named_servers::test_create_or_start_named_server":
+        "as test_default_server: gpupool's state keys and the checked user_options in the server model",
+    # gpupool's own progress messages (the check against the teams' quotas, the queue position).
+    "test_api::test_progress": "the events are gpupool's: 'Checking the profile…', then the queue or the card",
+    "test_api::test_progress_bad_slow": "the second event is gpupool's 'Checking the profile…' at 5 %, not 50 %",
 }
 
 _ROOT = Path(tempfile.mkdtemp(prefix="gpupool-contract-"))

@@ -3,13 +3,19 @@ requests wait, then started again on the same state folder."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+from datetime import timedelta
 
 import psutil
 import pytest
 import requests
 
+from gpupool.hub.accounting.ledger import Ledger
+from gpupool.hub.accounting.periods import utcnow
 from gpupool.hub.harness import Hub
+from gpupool.spawner.pool import AllocationStore
 
 POLICY = {
     "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [hami, whole]}\n"
@@ -26,7 +32,9 @@ profiles:
 
 @pytest.fixture
 def hub(tmp_path):
-    hub = Hub(tmp_path, POLICY, 'c.LocalGPUSpawner.run_as = "self"', mlflow=False)
+    # No heartbeat after the start (the hub's poll): what a server is billed to after it died unseen is then
+    # either its recorded exit or its start, never something in between by chance.
+    hub = Hub(tmp_path, POLICY, 'c.LocalGPUSpawner.run_as = "self"\nc.Spawner.poll_interval = 3600', mlflow=False)
     hub.start()
     yield hub
     hub.kill()
@@ -66,3 +74,34 @@ def test_queued_requests_come_back_in_order_after_a_hub_crash(hub):
     assert "w3/" not in hub.allocations()
     for name in ("w1", "w3"):
         hub.stop_server(name)
+
+
+def test_a_server_that_ends_while_the_hub_is_down_is_billed_to_its_exit(hub):
+    hub.add_user("holder", "vision")
+    assert hub.api("POST", "/users/holder/server").status_code in (201, 202)
+    hub.wait_ready("holder")
+    ledger = Ledger(hub.ledger_url, migrate=False)
+    (interval,) = [i for i in ledger.open_intervals() if i.user == "holder"]
+    while utcnow() - interval.start < timedelta(seconds=4):  # well after its last heartbeat (its start)
+        time.sleep(0.2)
+    (pid,) = [a.pid for a in AllocationStore(hub.state / "allocations.sqlite", owner="test").all()]
+    hub.kill()
+    killed = utcnow()
+    os.kill(pid, signal.SIGKILL)
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.1)
+    exits = hub.state / "exits"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any(
+            p.name.startswith(f"{pid}-") and not p.name.endswith(".tmp") for p in exits.iterdir()):
+        time.sleep(0.2)  # until its exit watcher has written when it ended
+    restarted = utcnow()
+    hub.start()
+    deadline = time.monotonic() + 60
+    while hub.server("holder") is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    (closed,) = [i for i in Ledger(hub.ledger_url, migrate=False).run_intervals(interval.run)]
+    assert closed.how == "failed"
+    # Exact to its exit (the ledger keeps whole seconds), not its last heartbeat nor the hub's restart.
+    assert killed - timedelta(seconds=1) <= closed.end <= restarted, (killed, closed.end, restarted)
+    assert closed.end - interval.start >= timedelta(seconds=4)
