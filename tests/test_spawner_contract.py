@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 
 import pytest
 from jupyterhub import orm
 from jupyterhub.objects import Hub
 from jupyterhub.user import User
+from sqlalchemy.orm import object_session
+from tornado import web
 from traitlets.config import Config
 
 from gpupool.hub.accounting.ledger import Ledger
@@ -115,3 +118,51 @@ def test_only_profiles_that_can_queue_get_the_queue_timeout(make_spawner):
     gpu = make_spawner("pass", start_timeout=60)
     gpu._apply_choice(gpu, {"profile": "h200-quarter"})
     assert gpu.start_timeout == 60 + 3600, "a GPU share may wait up to the queue timeout first"
+
+
+def test_refused_user_options_are_not_kept(make_spawner):
+    spawner = make_spawner("pass")
+    orm_spawner = spawner.orm_spawner
+    spawner._apply_choice(spawner, {"profile": "h200-quarter"})
+    # JupyterHub stores the raw options before it hands them over, and commits them.
+    orm_spawner.user_options = {"profile": "x" * 200_000, "gpus": 8}
+    object_session(orm_spawner).commit()
+    with pytest.raises(web.HTTPError) as refused:
+        spawner._apply_choice(spawner, orm_spawner.user_options)
+    assert refused.value.status_code == 400 and len(refused.value.log_message) < 300
+    object_session(orm_spawner).expire_all()
+    assert orm_spawner.user_options == {"profile": "h200-quarter", "team": "vision"}, "the last choice that passed"
+
+
+def test_values_from_a_request_are_cut_in_errors():
+    from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
+    from gpupool.spawner.mixin import check_choice
+
+    policy = load_policy(DEFAULT_POLICY_DIR)
+    team = next(iter(policy.teams))
+    for options in ({"profile": "p" * 200_000}, {"k" * 200_000: 1}, {"profile": None, "team": "t" * 200_000}):
+        with pytest.raises(web.HTTPError) as refused:
+            check_choice(policy, "alice", [team], options)
+        assert refused.value.status_code == 400 and len(refused.value.log_message) < 400, options.keys()
+
+
+def test_a_rejected_policy_is_logged_once_per_content(tmp_path, caplog):
+    import logging
+
+    from gpupool.spawner.mixin import current_policy
+
+    for name, text in POLICY.items():
+        (tmp_path / name).write_text(text)
+    log = logging.getLogger("test-policy")
+    good = current_policy(tmp_path, log)
+    broken = tmp_path / "teams.yaml"
+    for n in range(5):  # saved again and again with the same mistake, read many times
+        broken.write_text("teams:\n  vision: {priority: high}\n")
+        later = time.time_ns() + (n + 1) * 10**9  # a new modification time each save, as an editor gives
+        os.utime(broken, ns=(later, later))
+        for _ in range(3):
+            assert current_policy(tmp_path, log) is good
+    broken.write_text("teams:\n  vision: {priority: -1, quota: 5}\n")  # another mistake
+    assert current_policy(tmp_path, log) is good
+    rejected = [r for r in caplog.records if "rejected" in r.getMessage()]
+    assert len(rejected) == 2, [r.getMessage()[:80] for r in rejected]
