@@ -435,8 +435,8 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             self._free()
             raise
         self.pid_started = process_start_time(self.pid)
-        watch_exit(self.pid, exit_record(self.state_dir, self.pid, self.pid_started))
         if self.allocation_key:
+            watch_exit(self.pid, exit_record(self.state_dir, self.pid, self.pid_started))  # it is billed
             self.pool.store.mark_running(self.allocation_key, self.pid)
             self.open_usage(queue_wait)
         return ip_port

@@ -4,6 +4,7 @@ requests wait, then started again on the same state folder."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from datetime import timedelta
@@ -47,9 +48,31 @@ def position(hub: Hub, user: str, expected: str) -> str:
     return hub.progress_until(user, lambda e: expected in e.get("message", ""), timeout=120)[-1]["message"]
 
 
+def browser_login(hub: Hub, name: str, password: str) -> requests.Session:
+    """A browser session of `name` (NativeAuthenticator's login form), as people log in."""
+    browser = requests.Session()
+    browser.get(f"{hub.url}/hub/login", timeout=30)
+    form = {"username": name, "password": password, "_xsrf": browser.cookies.get("_xsrf", "")}
+    reply = browser.post(f"{hub.url}/hub/login", data=form, timeout=30, allow_redirects=False)
+    assert reply.status_code == 302, reply.text[-2000:]
+    return browser
+
+
+def sign_up_and_approve(hub: Hub, name: str, password: str) -> None:
+    page = requests.Session()
+    page.get(f"{hub.url}/hub/signup", timeout=30)
+    form = {"username": name, "signup_password": password, "signup_password_confirmation": password,
+            "_xsrf": page.cookies.get("_xsrf", "")}
+    assert page.post(f"{hub.url}/hub/signup", data=form, timeout=30).status_code == 200
+    (admin_password,) = re.findall(r"with the password (\S+)", hub.log.read_text())
+    admin = browser_login(hub, "admin", admin_password)
+    assert admin.get(f"{hub.url}/hub/authorize/{name}", timeout=30).status_code == 200
+
+
 def test_queued_requests_come_back_in_order_after_a_hub_crash(hub):
     for name in ("holder", "w1", "w2", "w3"):
         hub.add_user(name, "vision")
+    sign_up_and_approve(hub, "w2", "w2-password-long")
     assert hub.api("POST", "/users/holder/server").status_code in (201, 202)
     hub.wait_ready("holder")
     for name, profile in (("w1", "h200"), ("w2", "h200-old"), ("w3", "h200")):
@@ -64,9 +87,8 @@ def test_queued_requests_come_back_in_order_after_a_hub_crash(hub):
     position(hub, "w3", "position 2 of 2")
     log = hub.log.read_text()
     assert "w2/ could not come back to the queue after the restart" in log
-    token = hub.api("POST", "/users/w2/tokens", json={"expires_in": 600}).json()["token"]
-    home = requests.get(f"{hub.url}/hub/home", headers={"Authorization": f"token {token}"}, timeout=30)
-    assert home.status_code == 200
+    home = browser_login(hub, "w2", "w2-password-long").get(f"{hub.url}/hub/home", timeout=30)
+    assert home.status_code == 200 and home.url.endswith("/hub/home"), home.url
     assert "could not be queued again" in home.text and "No such profile: &#x27;h200-old&#x27;" in home.text
     # The order holds: the card goes to w1, not w3.
     hub.stop_server("holder")
