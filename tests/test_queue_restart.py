@@ -45,6 +45,10 @@ def hub(tmp_path):
 
 
 def position(hub: Hub, user: str, expected: str) -> str:
+    """The first queue message of `user`'s spawn that contains `expected` (once the hub knows the spawn)."""
+    deadline = time.monotonic() + 120
+    while hub.server(user) is None and time.monotonic() < deadline:  # asked for again after the restart
+        time.sleep(0.3)
     return hub.progress_until(user, lambda e: expected in e.get("message", ""), timeout=120)[-1]["message"]
 
 
