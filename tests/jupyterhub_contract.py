@@ -14,6 +14,7 @@ name that is no longer collected fails the run too. Everything else must pass.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from pathlib import Path
 
@@ -46,7 +47,8 @@ DIFFERENCES: dict[str, str] = {
     "test_api::test_progress_bad_slow": "the second event is gpupool's 'Checking the profile…' at 5 %, not 50 %",
 }
 
-_ROOT = Path(tempfile.mkdtemp(prefix="gpupool-contract-"))
+#: The pool's state and the policy of the run (the runner passes a folder of pytest's; else a new one).
+_ROOT = Path(os.environ.get("GPUPOOL_CONTRACT_ROOT") or tempfile.mkdtemp(prefix="gpupool-contract-"))
 
 POLICY = {
     "gpus.yaml": """

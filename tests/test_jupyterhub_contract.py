@@ -25,6 +25,7 @@ def run_jupyterhub_tests(folder: Path, *modules: str, select: str = "") -> tuple
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), str(REPO_ROOT / "node_modules" / ".bin"),
                                    env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+    env["GPUPOOL_CONTRACT_ROOT"] = str(folder / "gpupool")
     report = folder / "junit.xml"
     command = [
         sys.executable, "-m", "pytest", "-p", "jupyterhub_contract", "-p", "no:cacheprovider",
