@@ -23,6 +23,7 @@ import pytest
 from traitlets import default
 
 from gpupool.spawner.local import LocalGPUSpawner
+from gpupool.spawner.usage import get_ledger
 
 #: JupyterHub tests that differ by design: test (module::name, without parameters for all of them) -> why.
 DIFFERENCES: dict[str, str] = {
@@ -72,6 +73,7 @@ profiles:
 
 
 def _write_policy() -> Path:
+    (_ROOT / "state").mkdir(parents=True, exist_ok=True)
     policies = _ROOT / "policies"
     policies.mkdir(parents=True, exist_ok=True)
     for name, text in POLICY.items():
@@ -104,6 +106,9 @@ class ContractSpawner(LocalGPUSpawner):
 
 _write_policy()
 jupyterhub.spawner.SimpleLocalProcessSpawner = ContractSpawner
+# The ledger's schema is made (migrated) once per hub process, not inside a test's first spawn, where
+# JupyterHub's tests allow a server 10 s to answer.
+get_ledger(f"sqlite:///{_ROOT / 'state' / 'ledger.sqlite'}")
 
 
 def _name(item: pytest.Item) -> str:

@@ -33,6 +33,7 @@ def run_jupyterhub_tests(folder: Path, *modules: str, select: str = "") -> tuple
         # JupyterHub's own pytest settings (its pyproject.toml is not shipped with the package).
         "-o", "asyncio_mode=auto", "-o", "asyncio_default_fixture_loop_scope=module",
         "-o", "asyncio_default_test_loop_scope=module", "-W", "ignore::pytest.PytestUnknownMarkWarning",
+        "-o", "junit_logging=all",  # the hub's log of a failed test, in the report
         *(["-k", select] if select else []), "--pyargs", *modules,
     ]
     done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=2400)
