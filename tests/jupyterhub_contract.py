@@ -106,6 +106,24 @@ class ContractSpawner(LocalGPUSpawner):
 
 _write_policy()
 jupyterhub.spawner.SimpleLocalProcessSpawner = ContractSpawner
+
+from jupyterhub.tests import mocking  # noqa: E402 - after the swap, so that MockSpawner is built on ours
+
+_init_tornado_application = mocking.MockHub.init_tornado_application
+
+
+def _patient_init_tornado_application(self):
+    """JupyterHub's 10 s before a spawn answers 202 instead of 201, raised to 60 s in this run only.
+
+    On two busy cores a test's server can take longer than 10 s to answer, and tests that expect 201 then fail
+    by the machine's load, not by the contract. Tests about slow spawns set it down themselves (`no_patience`).
+    """
+    _init_tornado_application(self)
+    self.tornado_settings.setdefault("slow_spawn_timeout", 60)
+    self.tornado_settings.setdefault("slow_stop_timeout", 60)
+
+
+mocking.MockHub.init_tornado_application = _patient_init_tornado_application
 # The ledger's schema is made (migrated) once per hub process, not inside a test's first spawn, where
 # JupyterHub's tests allow a server 10 s to answer.
 get_ledger(f"sqlite:///{_ROOT / 'state' / 'ledger.sqlite'}")
