@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import sys
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from gpupool.hub.lifecycle import supervised
@@ -157,6 +159,17 @@ def home_page_teams(policy_dir: Path):
     return teams
 
 
+#: The hub service whose token starts queued requests again after a restart (no process, scope `servers`).
+QUEUE_SERVICE = "gpupool-queue"
+
+
+def home_queue_notice(state_dir: str, user) -> str:
+    """The home page's announcement for `user`: queued requests a restart lost, and why."""
+    from gpupool.spawner.requeue import queue_notices
+
+    return queue_notices(state_dir, user.name) if user is not None else ""
+
+
 def apply_config(c, settings: Settings) -> None:
     """Set the traits of a traitlets Config `c` for the embedded platform."""
     policy = load_policy(settings.policy_dir)
@@ -174,7 +187,6 @@ def apply_config(c, settings: Settings) -> None:
     c.JupyterHub.cleanup_servers = False
     c.JupyterHub.cleanup_proxy = True
     c.JupyterHub.template_paths = [str(TEMPLATES)]
-    c.JupyterHub.template_vars = {"gpupool": home_page_teams(settings.policy_dir)}
 
     c.JupyterHub.spawner_class = "gpupool.spawner.local.LocalGPUSpawner"
     c.LocalGPUSpawner.policy_dir = str(settings.policy_dir)
@@ -184,6 +196,13 @@ def apply_config(c, settings: Settings) -> None:
     c.Spawner.default_url = "/lab"
     c.Spawner.environment = {"GPUPOOL_HUB_URL": settings.url}
     c.LocalGPUSpawner.mlflow_url = settings.mlflow_url if settings.mlflow else ""
+    # Requests waiting in the queue when the hub stops are started again when it is back (spawner/requeue.py),
+    # with a token made anew at every start and known only to the hub process; users whose request could not
+    # come back are told why on their home page.
+    queue_token = secrets.token_hex(32)
+    c.LocalGPUSpawner.queue_service_token = queue_token
+    c.JupyterHub.template_vars = {"gpupool": home_page_teams(settings.policy_dir),
+                                  "announcement_home": partial(home_queue_notice, str(state))}
 
     if settings.authenticator == "native":
         c.JupyterHub.authenticator_class = "gpupool.hub.auth.GPUPoolNativeAuthenticator"
@@ -203,6 +222,9 @@ def apply_config(c, settings: Settings) -> None:
     services = [{"name": "gpupool-cli", "api_token": token_file.read_text().strip()}] if token_file.exists() else []
     roles = [{"name": "gpupool-cli", "description": "gpupool team add-member", "scopes": CLI_SCOPES,
               "services": ["gpupool-cli"]}] if services else []
+    services.append({"name": QUEUE_SERVICE, "api_token": queue_token})
+    roles.append({"name": QUEUE_SERVICE, "description": "gpupool starts the requests that waited in the queue "
+                  "again after a hub restart", "scopes": ["servers"], "services": [QUEUE_SERVICE]})
     # The accounting service: usage, budgets, bills, metrics (hub-managed, least-privilege role).
     services.append({
         "name": ACCOUNTING_SERVICE,

@@ -266,8 +266,12 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
             return self._render_options_form_dynamically
         return GPUPoolSpawnerMixin._render_form
 
-    def options_from_form(self, formdata):
-        options = super().options_from_form(formdata)
+    @default("options_from_form")
+    def _default_options_from_form(self):
+        return self._kube_options_from_form
+
+    def _kube_options_from_form(self, formdata):
+        options = GPUPoolSpawnerMixin._profile_options_from_form(formdata)
         # KubeSpawner's form names the image choice `profile-option-<profile>--image`.
         slug = options.get("profile")
         image = formdata.get(f"profile-option-{slug}--image") if slug else None

@@ -14,11 +14,13 @@ import pwd
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from jupyterhub.spawner import LocalProcessSpawner
+from sqlalchemy.orm import object_session
 from tornado import web
 from traitlets import Unicode, default
 
@@ -37,6 +39,7 @@ from gpupool.spawner.pool import (
     AllocationStore, Decide, Denied, LocalPool, QueueTimeout, Request, Verdict, discover_cards, process_alive,
     process_start_time,
 )
+from gpupool.spawner.requeue import requeue
 from gpupool.spawner.resources import profile_share
 
 _pools: dict[str, LocalPool] = {}
@@ -53,6 +56,36 @@ def admission(policy_of: Callable[[], Policy], ledger: Ledger, log) -> Decide:
     return decide
 
 
+def exit_record(state_dir: str, pid: int, started: float | None) -> Path:
+    """Where the exit watcher of the server process `pid` (started at `started`) writes when it ended."""
+    return Path(state_dir) / "exits" / f"{pid}-{int(started or 0)}"
+
+
+def watch_exit(pid: int, record: Path) -> None:
+    """Record when process `pid` ends, even while the hub is down: a detached `tail --pid`, then the time.
+
+    Run by the hub's user, outside the server's session, into the hub's own state folder, so a server cannot
+    write its own end. It notices an end within a second once the process is reaped (at once when the hub is
+    down: orphans are reaped by init). The shell and `tail` cost about 2 MB per server.
+    """
+    record.parent.mkdir(mode=0o700, exist_ok=True)
+    script = ('(tail --pid="$1" -s 1 -f /dev/null; date -u +%s.%N > "$2.tmp" && mv "$2.tmp" "$2") '
+              '</dev/null >/dev/null 2>&1 &')
+    # The outer shell exits at once (so nothing is left for the hub to reap); its background child goes on.
+    subprocess.run(["sh", "-c", script, "gpupool-exit-watch", str(pid), str(record)], check=False,
+                   start_new_session=True, stdin=subprocess.DEVNULL)
+
+
+def read_exit_record(record: Path) -> datetime | None:
+    """When the watched process ended (aware UTC), consuming the record; None when there is none."""
+    try:
+        ended = datetime.fromtimestamp(float(record.read_text().strip()), UTC)
+    except (OSError, ValueError):
+        return None
+    record.unlink(missing_ok=True)
+    return ended
+
+
 def get_pool(state_dir: str, policy_of: Callable[[], Policy], ledger: Ledger, log) -> LocalPool:
     """The hub process's pool for `state_dir` (one per process: the queue lives in memory)."""
     pool = _pools.get(state_dir)
@@ -63,6 +96,10 @@ def get_pool(state_dir: str, policy_of: Callable[[], Policy], ledger: Ledger, lo
         pool = LocalPool(cards, AllocationStore(Path(state_dir) / "allocations.sqlite"), decide)
         pool.devices_are_real = source == "nvml"
         _pools[state_dir] = pool
+        # Exit records nobody read (servers the hub stopped itself) are only clutter after a day.
+        for record in (Path(state_dir) / "exits").glob("*"):
+            if time.time() - record.stat().st_mtime > 86400:
+                record.unlink(missing_ok=True)
     return pool
 
 
@@ -344,6 +381,15 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     def _default_server_config_root(self):
         return "/run/gpupool/servers" if self.run_as == "user" else str(Path(self.state_dir) / "servers")
 
+    queue_service_token = Unicode(
+        "",
+        help="""
+        A hub API token with the `servers` scope, with which the requests that waited in the queue when the
+        hub stopped (or crashed) are started again, in their order, once it is back. `gpupool up` makes one
+        for every start. Empty: such requests are given up, and their users told so on their home page.
+        """,
+    ).tag(config=True)
+
     allocation_key: str | None = None
     allocation_cards: tuple[str, ...] = ()
     pid_started: float | None = None
@@ -354,7 +400,16 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     @property
     def pool(self) -> LocalPool:
-        return get_pool(self.state_dir, lambda: self.policy, self.ledger, self.log)
+        pool = get_pool(self.state_dir, lambda: self.policy, self.ledger, self.log)
+        if pool.restoring and not getattr(pool, "requeue_started", False):
+            pool.requeue_started = True
+            if self.queue_service_token and self.hub is not None:
+                asyncio.ensure_future(requeue(pool, self.hub.api_url, self.queue_service_token, self.log))
+            else:
+                for key in pool.restoring:
+                    pool.store.mark_lost(key, "the hub restarted and gpupool has no token to queue it again")
+                pool.restored()
+        return pool
 
     # --- traits from the choice -----------------------------------------------------------------------
 
@@ -364,10 +419,11 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             self.mem_limit = int(parse_quantity(profile.memory.limit))  # bytes: 32Gi and 32G both exact
         if profile.cpu.limit:
             self.cpu_limit = float(parse_quantity(profile.cpu.limit))
-        # Waiting in the queue must not count against start_timeout: allow the queue timeout on top.
+        # Waiting in the queue must not count against start_timeout: a profile that can queue (one with a GPU
+        # share) gets the queue timeout on top; one that never queues keeps the configured timeout.
         base = getattr(self, "_gpupool_base_start_timeout", None) or self.start_timeout
         self._gpupool_base_start_timeout = base
-        self.start_timeout = base + self.policy.queue_timeout(choice.team)
+        self.start_timeout = base + (self.policy.queue_timeout(choice.team) if profile.gpu is not None else 0)
 
     # --- users and folders ----------------------------------------------------------------------------
 
@@ -503,9 +559,21 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             )
             queued = periods.utcnow()
             try:
-                allocation = await self.pool.acquire(request, timeout=self.policy.queue_timeout(choice.team))
+                allocation = await self.pool.acquire(request, timeout=self.policy.queue_timeout(choice.team),
+                                                     options=dict(self.user_options or {}))
             except (QueueTimeout, Denied) as error:
                 raise web.HTTPError(503 if isinstance(error, QueueTimeout) else 403, str(error)) from None
+            except asyncio.CancelledError:
+                # Stopped while waiting (the progress page's button, DELETE on the server). JupyterHub cleans up
+                # after a failed start but not after a cancelled one: the server record it made for this spawn
+                # would stay, making the server look ready (a redirect loop to a server that never ran).
+                self.log.info("%s left the queue: its spawn was cancelled", self._log_name)
+                self.server = None
+                # Committed at once: the hub rolls back what is uncommitted when any request handler finishes.
+                session = object_session(self.orm_spawner) if self.orm_spawner is not None else None
+                if session is not None:
+                    session.commit()
+                raise
             queue_wait = max(timedelta(0), periods.utcnow() - queued)
             self.allocation_key, self.allocation_cards = allocation.key, allocation.cards
             if self.policy.settings.mps == "auto" and self.pool.devices_are_real:
@@ -517,18 +585,23 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             raise
         self.pid_started = process_start_time(self.pid)
         if self.allocation_key:
+            watch_exit(self.pid, exit_record(self.state_dir, self.pid, self.pid_started))  # it is billed
             self.pool.store.mark_running(self.allocation_key, self.pid)
             self.open_usage(queue_wait)
         return ip_port
 
     async def progress(self):
         yield {"progress": 5, "message": "Checking the profile against your teams' quotas and the pool"}
+        shown = None
         while True:
             ticket = self.pool.ticket(self.pool_key)
             if ticket is None:
                 break
             ticket.changed.clear()
-            yield {"progress": 10, "message": ticket.message()}
+            message = ticket.message()
+            if message != shown:  # a position or reason that did not change is not news
+                shown = message
+                yield {"progress": 10, "message": message}
             try:
                 await asyncio.wait_for(ticket.changed.wait(), 5)
             except TimeoutError:
@@ -538,33 +611,50 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
                                               f"{', '.join(self.allocation_cards)}; starting JupyterLab"}
 
     async def poll(self):
-        if self._stop_pending:
-            # Being stopped: the process ending now is the stop, which closes the usage itself ("stopped").
+        if not self.pid:
+            # Nothing started. A spawn of this hub cancelled in the queue is stopped here (the hub polls as it
+            # stops): it does not come back after a restart. One from before a restart waits to be asked again.
+            self.pool.forget(self.pool_key)
             return await super().poll()
-        # Checked before JupyterHub's own `kill(pid, 0)`, which a zombie or a reused PID would pass.
-        if self.pid and not process_alive(self.pid, self.pid_started):
-            self.log.warning("%s (PID %s) is gone; freeing its share", self._log_name, self.pid)
-            self._free(HowEnded.FAILED)  # JupyterHub does not call stop() for a server that is already gone
+        if self.proc is None and not process_alive(self.pid, self.pid_started):
+            # Adopted after a hub restart, so no Popen to ask: JupyterHub's own `kill(pid, 0)` would take a zombie
+            # or a reused PID for the server. The exit status is unknown then: 0, as JupyterHub says.
+            # Its exit watcher knows when it ended, though no one heard it: the hub was down.
+            ended = read_exit_record(exit_record(self.state_dir, self.pid, self.pid_started))
+            self.log.warning("%s (PID %s) is gone%s; freeing its share", self._log_name, self.pid,
+                             f" (ended {ended:%Y-%m-%d %H:%M:%S} UTC)" if ended else "")
             self.clear_state()
-            return 1
-        status = await super().poll()
-        if status is not None and self.allocation_key and not self._spawn_pending:
-            self._free(HowEnded.FAILED)
-        elif status is None:
+            if not self._stopping:
+                self._free(HowEnded.FAILED, end=ended)
+            return 0
+        status = await super().poll()  # our child: Popen reaps it and gives its exit status
+        if status is None:
             self.see_usage()
+        elif not self._stopping:
+            # Ended on its own: JupyterHub does not call stop() for a server that is already gone.
+            self._free(HowEnded.FAILED)
         return status
 
+    #: True while stop() ends the server, so that the process ending then is booked as stopped, not failed.
+    _stopping = False
+
     async def stop(self, now=False):
-        self.see_usage()  # seen alive as the stop begins: a slow shutdown is not mistaken for a vanished server
+        # Polled first: a server that already died is booked as failed when it was last seen; a running one is
+        # seen alive as the stop begins, so a slow shutdown is not mistaken for a vanished server.
+        await self.poll()
+        self._stopping = True
         try:
             await super().stop(now=now)
         finally:
+            self._stopping = False
             self._free(HowEnded.STOPPED)
 
-    def _free(self, how: HowEnded = HowEnded.FAILED) -> None:
-        """Give the share back and close the server's usage interval (both idempotent)."""
-        # A server that died unseen counts until it was last seen alive.
-        self.close_usage(how, at_last_seen=how is HowEnded.FAILED)
+    def _free(self, how: HowEnded = HowEnded.FAILED, end: datetime | None = None) -> None:
+        """Give the share back and close the server's usage interval (both idempotent).
+
+        `end`: when it ended, if known; else now, or for one that died unseen when it was last seen alive.
+        """
+        self.close_usage(how, at_last_seen=how is HowEnded.FAILED and end is None, end=end)
         self.pool.release(self.pool_key)
         self.allocation_key, self.allocation_cards = None, ()
 

@@ -8,12 +8,15 @@ unknown keys are refused, and the error names the valid choices.
 from __future__ import annotations
 
 import copy
+import hashlib
 import html
 import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from sqlalchemy.orm import object_session
+from sqlalchemy.orm.exc import UnmappedInstanceError
 from tornado import web
 from traitlets import Unicode, default
 from traitlets.config import LoggingConfigurable
@@ -30,24 +33,65 @@ from gpupool.spawner.usage import UsageLedgerMixin
 #: Keys a user may send in `user_options`.
 USER_OPTION_KEYS = ("profile", "image", "team")
 
+#: How much of a value from a request an error message or a log line shows.
+SHOWN_CHARACTERS = 80
+
 _policy_cache: dict[str, tuple[float, Policy]] = {}
+#: Per directory: the stamp of the files last rejected, and the contents already logged as rejected.
+_rejected: dict[str, tuple[float, set[str]]] = {}
+
+
+def shown(value) -> str:
+    """`repr(value)` cut to a readable length: a request can carry a 200 KB value, and errors and logs echo it."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARACTERS:
+        return text
+    return f"{text[:SHOWN_CHARACTERS]}… ({len(text)} characters)"
+
+
+def shown_list(values) -> str:
+    """Names from a request, each cut by `shown`, and at most a few of them."""
+    values = list(values)
+    names = [v if len(v) <= SHOWN_CHARACTERS else shown(v) for v in map(str, values[:5])]
+    return ", ".join(names) + (f" and {len(values) - 5} more" if len(values) > 5 else "")
+
+
+def _contents_digest(files) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(files):
+        digest.update(str(path).encode() + b"\0")
+        try:
+            digest.update(path.read_bytes())
+        except OSError:
+            pass
+        digest.update(b"\0")
+    return digest.hexdigest()
 
 
 def current_policy(directory: str | Path, log=None) -> Policy:
-    """The policy in `directory`, re-read when a file changes; an invalid edit keeps the last valid policy."""
+    """The policy in `directory`, re-read when a file changes; an invalid edit keeps the last valid policy.
+
+    A rejected edit is logged once per distinct content (not on every read while it stays on disk).
+    """
     directory = str(directory)
     files = policy_file_paths(directory)
     stamp = max((f.stat().st_mtime_ns for f in files), default=0) + len(files)
     cached = _policy_cache.get(directory)
     if cached and cached[0] == stamp:
         return cached[1]
+    rejected_stamp, logged = _rejected.get(directory, (None, set()))
+    if cached and rejected_stamp == stamp:
+        return cached[1]
     try:
         policy = load_policy(directory)
     except PolicyError as error:
         if cached is None:
             raise
-        if log:
+        digest = _contents_digest(files)
+        if log and digest not in logged:
             log.error("Policy change in %s rejected, keeping the previous policy:\n%s", directory, error)
+        logged.add(digest)
+        _rejected[directory] = (stamp, logged)
         return cached[1]
     _policy_cache[directory] = (stamp, policy)
     return policy
@@ -206,7 +250,14 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
             )
         return '<div class="list-group">' + "".join(rows) + "</div>"
 
-    def options_from_form(self, formdata):
+    # A trait default, not a method: a method would shadow JupyterHub's configurable `options_from_form`
+    # (a callable, 'simple' or 'passthrough' set in the configuration must win), as in KubeSpawner.
+    @default("options_from_form")
+    def _default_options_from_form(self):
+        return GPUPoolSpawnerMixin._profile_options_from_form
+
+    @staticmethod
+    def _profile_options_from_form(formdata):
         options = {}
         if formdata.get("profile"):
             options["profile"] = formdata["profile"][0]
@@ -229,12 +280,27 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
         if problem:
             raise web.HTTPError(403, f"no server can start for this user: {problem}. An administrator renames "
                                      "the user (PATCH /hub/api/users/NAME with a new name)")
-        choice = spawner.gpupool_choice = spawner.check_user_options(user_options or {})
+        orm_spawner = getattr(spawner, "orm_spawner", None)
+        try:
+            choice = spawner.check_user_options(user_options or {})
+        except web.HTTPError:
+            # JupyterHub stored the raw options before handing them over: a refused request leaves behind the
+            # last choice that passed (or nothing), never what was refused.
+            if orm_spawner is not None:
+                previous = spawner.gpupool_choice
+                orm_spawner.user_options = _resolved(previous) if previous else {}
+                try:
+                    session = object_session(orm_spawner)
+                except UnmappedInstanceError:  # a spawner outside a hub (tests)
+                    session = None
+                if session is not None:
+                    session.commit()
+            raise
+        spawner.gpupool_choice = choice
         # The choice as checked, defaults filled in, is what the hub keeps and shows (`read:servers`): the
         # accounting service reads a server's team and profile there, and a restart spawns the same again.
-        resolved = {"profile": choice.slug, "team": choice.team, **({"image": choice.image} if choice.image else {})}
+        resolved = _resolved(choice)
         spawner.user_options = resolved
-        orm_spawner = getattr(spawner, "orm_spawner", None)
         if orm_spawner is not None:
             orm_spawner.user_options = resolved  # committed with the spawner's state after start
         spawner.apply_choice(choice)
@@ -267,6 +333,10 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
         """Set the spawner's traits from a checked choice (subclasses add what their backend needs)."""
 
 
+def _resolved(choice: Choice) -> dict:
+    return {"profile": choice.slug, "team": choice.team, **({"image": choice.image} if choice.image else {})}
+
+
 def check_choice(policy: Policy, user: str, teams: list[str], options) -> Choice:
     """A `Choice` from untrusted `options` of `user` in `teams`, or an HTTP 400/403 naming what is accepted.
 
@@ -278,7 +348,7 @@ def check_choice(policy: Policy, user: str, teams: list[str], options) -> Choice
     unknown = sorted(set(options) - set(USER_OPTION_KEYS))
     if unknown:
         raise web.HTTPError(
-            400, f"Unknown user option(s): {', '.join(unknown)}. Accepted keys: {', '.join(USER_OPTION_KEYS)}"
+            400, f"Unknown user option(s): {shown_list(unknown)}. Accepted keys: {', '.join(USER_OPTION_KEYS)}"
         )
     if not teams:
         raise web.HTTPError(
@@ -291,7 +361,7 @@ def check_choice(policy: Policy, user: str, teams: list[str], options) -> Choice
         slug = next((s for s, p in profiles.items() if p.default), next(iter(profiles)))
     if not isinstance(slug, str) or slug not in profiles:
         raise web.HTTPError(
-            400, f"No such profile: {slug!r}. Options include: {', '.join(profiles)}"
+            400, f"No such profile: {shown(slug)}. Options include: {', '.join(profiles)}"
         )
     profile = copy.deepcopy(profiles[slug])
     team = options.get("team")
@@ -300,12 +370,12 @@ def check_choice(policy: Policy, user: str, teams: list[str], options) -> Choice
         team = allowed[0]
     elif not isinstance(team, str) or team not in allowed:
         raise web.HTTPError(
-            400, f"Team {team!r} cannot be charged for {slug}. Options include: {', '.join(allowed)}"
+            400, f"Team {shown(team)} cannot be charged for {slug}. Options include: {', '.join(allowed)}"
         )
     image = options.get("image")
     if image is not None and (not isinstance(image, str) or image not in profile.images):
         raise web.HTTPError(
-            400, f"No such image for {slug}: {image!r}. Options include: {', '.join(profile.images) or 'none'}"
+            400, f"No such image for {slug}: {shown(image)}. Options include: {', '.join(profile.images) or 'none'}"
         )
     if image is None and profile.images:
         image = next((i for i, img in profile.images.items() if img.default), next(iter(profile.images)))

@@ -10,7 +10,6 @@ more than a card holds.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import time
@@ -154,6 +153,39 @@ allocations_table = sa.Table(
 )
 
 
+#: Requests waiting in the queue, so that a hub restart (a crash included) brings them back in the same order.
+queue_table = sa.Table(
+    "queue",
+    metadata,
+    sa.Column("key", sa.String, primary_key=True),  # "user/server"
+    sa.Column("seq", sa.Integer, nullable=False),  # arrival order, kept across restarts
+    sa.Column("user", sa.String, nullable=False),
+    sa.Column("team", sa.String, nullable=False),
+    sa.Column("profile", sa.String, nullable=False),
+    sa.Column("display_name", sa.String, nullable=False),
+    sa.Column("model", sa.String, nullable=False),
+    sa.Column("share_num", sa.Integer, nullable=False),
+    sa.Column("share_den", sa.Integer, nullable=False),
+    sa.Column("priority", sa.Integer, nullable=False),
+    sa.Column("options", sa.JSON, nullable=False),  # the checked user_options, to ask the hub for it again
+    sa.Column("owner", sa.String, nullable=False),  # the pool instance it waits in
+    sa.Column("queued_at", sa.Float, nullable=False),
+    sa.Column("lost", sa.String),  # why it could not come back after a restart (shown to its user)
+)
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A persisted queue entry: the request, its arrival order and what to ask the hub for again."""
+
+    request: Request
+    seq: int
+    options: dict
+    owner: str
+    queued_at: float
+    lost: str | None = None
+
+
 @dataclass(frozen=True)
 class Allocation:
     key: str
@@ -266,11 +298,64 @@ class AllocationStore:
                     freed.append(allocation)
         return freed
 
+    # --- the persistent queue -------------------------------------------------------------------------
+
+    def enqueue(self, request: Request, options: dict) -> Queued:
+        """Record that `request` waits; a request already recorded (back after a restart) keeps its place."""
+        with self.engine.begin() as db:
+            row = db.execute(sa.select(queue_table).where(queue_table.c.key == request.key)).first()
+            if row is not None and row.lost is None:
+                db.execute(queue_table.update().where(queue_table.c.key == request.key).values(owner=self.owner))
+                return replace(_queued(row), request=request, owner=self.owner)
+            db.execute(queue_table.delete().where(queue_table.c.key == request.key))
+            seq = (db.execute(sa.select(sa.func.max(queue_table.c.seq))).scalar() or 0) + 1
+            entry = Queued(request, seq, dict(options), self.owner, time.time())
+            db.execute(queue_table.insert().values(
+                key=request.key, seq=seq, user=request.user, team=request.team, profile=request.profile,
+                display_name=request.display_name, model=request.model, share_num=request.share.numerator,
+                share_den=request.share.denominator, priority=request.priority, options=entry.options,
+                owner=self.owner, queued_at=entry.queued_at,
+            ))
+        return entry
+
+    def dequeue(self, key: str, only_mine: bool = False) -> bool:
+        """The request `key` no longer waits (placed, refused, timed out, cancelled by its user)."""
+        query = queue_table.delete().where(queue_table.c.key == key, queue_table.c.lost.is_(None))
+        if only_mine:
+            query = query.where(queue_table.c.owner == self.owner)
+        with self.engine.begin() as db:
+            return db.execute(query).rowcount > 0
+
+    def queued(self) -> list[Queued]:
+        """Every waiting request, in arrival order (lost ones left out)."""
+        with self.engine.begin() as db:
+            rows = db.execute(sa.select(queue_table).where(queue_table.c.lost.is_(None))
+                              .order_by(queue_table.c.seq)).all()
+        return [_queued(row) for row in rows]
+
+    def mark_lost(self, key: str, reason: str) -> None:
+        with self.engine.begin() as db:
+            db.execute(queue_table.update().where(queue_table.c.key == key).values(lost=reason[:500]))
+
+    def lost(self, user: str) -> list[Queued]:
+        """`user`'s requests that could not come back after a restart, and why."""
+        with self.engine.begin() as db:
+            rows = db.execute(sa.select(queue_table).where(queue_table.c.user == user,
+                                                           queue_table.c.lost.is_not(None))
+                              .order_by(queue_table.c.seq)).all()
+        return [_queued(row) for row in rows]
+
     @staticmethod
     def _owner_of(db: sa.Connection, key: str) -> str:
         return db.execute(
             sa.select(allocations_table.c.owner).where(allocations_table.c.key == key).limit(1)
         ).scalar_one()
+
+
+def _queued(row: sa.Row) -> Queued:
+    request = Request(row.key, row.user, row.team, row.profile, row.display_name, row.model,
+                      Fraction(row.share_num, row.share_den), row.priority)
+    return Queued(request, row.seq, dict(row.options or {}), row.owner, row.queued_at, row.lost)
 
 
 def _group(rows: Iterable[sa.Row]) -> list[Allocation]:
@@ -354,16 +439,26 @@ class LocalPool:
         self.waiting: dict[str, Ticket] = {}
         self.devices_are_real = False  # True when the cards came from NVML
         self._queued_teams: set[str] = set()
-        self._seq = itertools.count()
         freed = store.sweep()
         for allocation in freed:
             log.warning("freed %s's share of %s: its server is gone", allocation.key, allocation.model)
+        #: Requests that waited in an earlier pool (before a hub restart), until they are asked for again: none
+        #: queued after them is placed before they are back, so the queue keeps its order.
+        self.restoring: dict[str, Queued] = {q.request.key: q for q in store.queued() if q.owner != store.owner}
+        if self.restoring:
+            log.warning("%d request(s) waited in the queue before the restart: %s", len(self.restoring),
+                        ", ".join(self.restoring))
 
     def capacity(self, model: str) -> int:
         return sum(1 for c in self.cards if c.model == model)
 
-    async def acquire(self, request: Request, timeout: float | None = None) -> Allocation:
-        """Wait in the team's queue until `request` is admitted and placed; the allocation is recorded."""
+    async def acquire(self, request: Request, timeout: float | None = None, options: dict | None = None) -> Allocation:
+        """Wait in the team's queue until `request` is admitted and placed; the allocation is recorded.
+
+        While it waits the request is persisted with `options` (what to ask the hub for again after a
+        restart). It leaves the persisted queue when placed, refused or timed out, and when its user cancels
+        (`forget`); a cancellation by a hub that is going down leaves it there, to come back.
+        """
         if request.share > self.capacity(request.model):
             raise Denied(
                 f"{request.display_name} can never fit: the pool has {self.capacity(request.model)} "
@@ -375,8 +470,12 @@ class LocalPool:
         if self.store.release(request.key):
             log.warning("%s held an allocation from an earlier start; freed it", request.key)
         loop = asyncio.get_running_loop()
-        ticket = Ticket(request, next(self._seq), time.monotonic(), loop.create_future())
+        entry = self.store.enqueue(request, options or {})
+        self.restoring.pop(request.key, None)
+        waited = max(0.0, time.time() - entry.queued_at)  # back after a restart: it has waited since then
+        ticket = Ticket(request, entry.seq, time.monotonic() - waited, loop.create_future())
         self.waiting[request.key] = ticket
+        left = True  # whether the request leaves the persisted queue when this call ends
 
         def placed() -> bool:
             future = ticket.future
@@ -395,12 +494,26 @@ class LocalPool:
         except asyncio.CancelledError:
             if placed():  # cancelled just as it was placed: give the share back
                 self.store.release(request.key)
+            else:
+                left = False  # its user's cancel is `forget`; a hub going down keeps it for the restart
             raise
         finally:
             if not ticket.future.done():
                 ticket.future.cancel()
             self.waiting.pop(request.key, None)
+            if left:
+                self.store.dequeue(request.key)
             self.schedule()
+
+    def forget(self, key: str) -> None:
+        """The request `key` of this pool was cancelled by its user: it does not come back after a restart."""
+        if key not in self.waiting:
+            self.store.dequeue(key, only_mine=True)
+
+    def restored(self) -> None:
+        """Every request from before the restart was asked for again (or given up): the queue moves on."""
+        self.restoring.clear()
+        self.schedule()
 
     def release(self, key: str) -> bool:
         freed = self.store.release(key)
@@ -446,6 +559,9 @@ class LocalPool:
                 continue
             if request.model in blocked_models:
                 ticket.reason = self._capacity_reason(request, allocations)
+                continue
+            if any(q.seq < ticket.seq for q in self.restoring.values()):
+                ticket.reason = "requests queued before the hub restarted come first"
                 continue
             allocation = self.store.reserve(request, self.cards)
             if allocation is None:

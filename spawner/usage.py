@@ -100,11 +100,13 @@ class UsageLedgerMixin(LoggingConfigurable):
         # accounting service's reconciliation does.
         self._ledger("heartbeat", "keep_run", self.usage_run, *facts, self.run_started(), periods.utcnow())
 
-    def close_usage(self, how: HowEnded, at_last_seen: bool = False) -> None:
-        """The server ended (`how`): now, or when it was last seen alive (it died unseen)."""
+    def close_usage(self, how: HowEnded, at_last_seen: bool = False, end: datetime | None = None) -> None:
+        """The server ended (`how`): at `end` when known, else now, or when it was last seen alive (it died
+        unseen)."""
         if self.usage_run is None:
             return
-        end = None if at_last_seen else periods.utcnow()
+        if end is None:
+            end = None if at_last_seen else periods.utcnow()
         self._ledger("close", "close_run", self.usage_run, end, how)
         self.usage_run = None
 

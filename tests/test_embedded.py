@@ -137,6 +137,44 @@ def test_team_quota_makes_the_next_spawn_wait(hub):
     assert not [k for k in hub.allocations() if k.startswith("q")]
 
 
+def test_cancelling_a_queued_spawn_leaves_the_queue_cleanly(hub):
+    for name in ("c1", "c2", "dave", "erin"):
+        hub.add_user(name, "nlp")
+    for name in ("c1", "c2"):
+        assert hub.api("POST", f"/users/{name}/server", json={"profile": "h200-quarter"}).status_code in (201, 202)
+        hub.wait_ready(name)
+    assert hub.api("POST", "/users/dave/server", json={"profile": "h200-quarter"}).status_code in (201, 202)
+    hub.progress_until("dave", lambda e: "position 1 of 1" in e.get("message", ""))
+    assert hub.api("POST", "/users/erin/server", json={"profile": "h200-quarter"}).status_code in (201, 202)
+    hub.progress_until("erin", lambda e: "position 2 of 2" in e.get("message", ""))
+    # dave's progress page, open while he waits and when he presses its "Stop Server" button
+    watching = ThreadPoolExecutor(1).submit(hub.progress_until, "dave", lambda e: e.get("failed") or e.get("ready"),
+                                            120)
+    # The queue message is re-checked every 5 s: watch long enough that a repeat would show.
+    time.sleep(6)
+    log_before = len(hub.log.read_text())
+    assert hub.api("DELETE", "/users/dave/server").status_code in (202, 204)
+    events = watching.result(timeout=120)
+    messages = [e.get("message") for e in events]
+    assert events[-1].get("failed") and events[-1]["message"] == "Spawn cancelled", messages
+    assert not any(e.get("ready") for e in events), messages
+    queued = [m for m in messages if m and m.startswith("Waiting for 0.25 × H200: position")]
+    assert queued, messages
+    assert all(a != b for a, b in zip(messages, messages[1:])), f"a message repeated: {messages}"
+    deadline = time.monotonic() + 30
+    while hub.server("dave") is not None and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert hub.server("dave") is None
+    # dave's place is freed: erin moves up
+    hub.progress_until("erin", lambda e: "position 1 of 1" in e.get("message", ""))
+    log = hub.log.read_text()[log_before:]
+    assert "Server dave is ready" not in log and "Redirect loop" not in log, log[-3000:]
+    assert "dave/" not in hub.allocations()
+    assert not [i for i in Ledger(hub.ledger_url, migrate=False).open_intervals() if i.user == "dave"]
+    for name in ("c1", "c2", "erin"):
+        hub.stop_server(name)
+
+
 @pytest.mark.parametrize(
     ("options", "words"),
     [

@@ -71,6 +71,6 @@ def test_the_team_root_is_one_setting_for_the_servers_and_the_datasets_tab(tmp_p
 def test_without_mlflow_there_is_no_service_role_or_server_variables(tmp_path):
     c = Config()
     apply_config(c, Settings(state_dir=tmp_path, mlflow=False))
-    assert [s["name"] for s in c.JupyterHub.services] == ["accounting"]
+    assert [s["name"] for s in c.JupyterHub.services] == ["gpupool-queue", "accounting"]
     assert "gpupool-mlflow" not in {r["name"] for r in c.JupyterHub.load_roles}
     assert c.LocalGPUSpawner.mlflow_url == ""

@@ -318,3 +318,68 @@ def test_queue_metrics(store):
         assert REGISTRY.get_sample_value("gpupool_queue_wait_seconds_count", {"team": "metrics"}) == before + 3
 
     run(scenario())
+
+
+def test_waiting_requests_come_back_in_their_order_after_a_restart(tmp_path):
+    path = tmp_path / "allocations.sqlite"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # the running servers
+
+    async def before_the_crash():
+        pool = LocalPool(H200, AllocationStore(path, owner="hub-1"))
+        for n in range(2):
+            await pool.acquire(request(n, Fraction(1)))
+            pool.store.mark_running(f"user{n}/", holder.pid)
+        waiting = [asyncio.create_task(pool.acquire(request(n, Fraction(1)), options={"profile": f"p{n}"}))
+                   for n in (10, 11, 12)]
+        await asyncio.sleep(0.01)
+        assert [pool.ticket(f"user{n}/").position for n in (10, 11, 12)] == [1, 2, 3]
+        # The hub goes down: its tasks are cancelled (or it is killed and nothing runs at all).
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+    async def after_the_restart():
+        pool = LocalPool(H200, AllocationStore(path, owner="hub-2"))
+        assert [q.request.key for q in sorted(pool.restoring.values(), key=lambda q: q.seq)] == [
+            "user10/", "user11/", "user12/"]
+        assert pool.restoring["user11/"].options == {"profile": "p11"}
+        # asked for again in another order: each keeps its place
+        later = [asyncio.create_task(pool.acquire(request(n, Fraction(1)), options={"profile": f"p{n}"})) for n in (12, 11)]
+        await asyncio.sleep(0.01)
+        pool.release("user0/")  # a card frees up before user10 is back: it is kept for user10
+        await asyncio.sleep(0.01)
+        assert not any(t.done() for t in later)
+        assert pool.ticket("user12/").reason == "requests queued before the hub restarted come first"
+        first = asyncio.create_task(pool.acquire(request(10, Fraction(1)), options={"profile": "p10"}))
+        assert (await asyncio.wait_for(first, 1)).key == "user10/"
+        assert [pool.ticket(f"user{n}/").position for n in (11, 12)] == [1, 2]
+        pool.release("user1/")
+        assert (await asyncio.wait_for(later[1], 1)).key == "user11/"
+        assert [q.request.key for q in pool.store.queued()] == ["user12/"]
+        later[0].cancel()
+        await asyncio.gather(later[0], return_exceptions=True)
+        pool.forget("user12/")  # its user cancelled it: it does not come back
+        assert pool.store.queued() == []
+
+    try:
+        asyncio.run(before_the_crash())
+        asyncio.run(after_the_restart())
+    finally:
+        holder.kill()
+
+
+def test_a_request_that_cannot_come_back_is_kept_with_its_reason(store):
+    async def scenario():
+        pool = LocalPool(H200, store)
+        for n in range(2):
+            await pool.acquire(request(n, Fraction(1)))
+        task = asyncio.create_task(pool.acquire(request(5)))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    run(scenario())
+    store.mark_lost("user5/", "No such profile: 'gone'")
+    (lost,) = store.lost("user5")
+    assert lost.lost == "No such profile: 'gone'" and store.queued() == []
+    assert LocalPool(H200, AllocationStore(store.engine.url.database, owner="other")).restoring == {}

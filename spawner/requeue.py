@@ -1,0 +1,99 @@
+"""After a hub restart, the requests that waited in the embedded pool's queue are asked for again, in order.
+
+The queue is persisted by the pool (`AllocationStore.enqueue`); what JupyterHub knew of those spawns died with
+the hub. Once the restarted hub answers, each waiting request is started again through the hub's REST API with
+the options it was checked with, under a token of gpupool's own (`queue_service_token`, scope `servers`); it
+keeps its place in the queue. A request the hub refuses now (its user left the team, its profile is gone) is
+kept as lost with the hub's reason, which its user sees on their home page.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import json
+import time
+from urllib.parse import quote
+
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+
+from gpupool.spawner.pool import AllocationStore, LocalPool, Queued
+
+#: How long to wait for the restarted hub's API to answer before giving the requests up.
+HUB_WAIT_S = 300
+
+_stores: dict[str, AllocationStore] = {}
+
+
+def server_path(key: str) -> str:
+    user, _, server = key.partition("/")
+    return f"users/{quote(user, safe='')}/" + (f"servers/{quote(server, safe='')}" if server else "server")
+
+
+async def _hub_answers(client: AsyncHTTPClient, api_url: str, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        try:
+            await client.fetch(api_url, request_timeout=10)
+            return True
+        except (HTTPClientError, OSError):
+            await asyncio.sleep(0.5)
+    return False
+
+
+async def _ask_again(client: AsyncHTTPClient, pool: LocalPool, api_url: str, token: str, entry: Queued, log) -> None:
+    key = entry.request.key
+    request = HTTPRequest(api_url + server_path(key), method="POST", body=json.dumps(entry.options),
+                          headers={"Authorization": f"token {token}", "Content-Type": "application/json"},
+                          request_timeout=120)
+    try:
+        await client.fetch(request)
+        log.info("%s is back in the queue after the restart", key)
+    except HTTPClientError as error:
+        try:
+            reason = json.loads(error.response.body).get("message") if error.response else None
+        except ValueError:
+            reason = None
+        reason = reason or str(error)
+        if key in pool.waiting:  # its user asked again first: it is back anyway
+            return
+        log.warning("%s could not come back to the queue after the restart: %s", key, reason)
+        pool.store.mark_lost(key, reason)
+    except OSError as error:
+        log.warning("%s could not come back to the queue after the restart: %s", key, error)
+        pool.store.mark_lost(key, f"the hub did not answer ({error})")
+
+
+async def requeue(pool: LocalPool, api_url: str, token: str, log) -> None:
+    """Ask the hub at `api_url` for every request in `pool.restoring` again; then let the queue move on."""
+    entries = sorted(pool.restoring.values(), key=lambda q: q.seq)
+    client = AsyncHTTPClient()
+    api_url = api_url.rstrip("/") + "/"
+    try:
+        if not await _hub_answers(client, api_url, time.monotonic() + HUB_WAIT_S):
+            for entry in entries:
+                pool.store.mark_lost(entry.request.key, "the hub did not come back in time after its restart")
+            return
+        # All at once: the hub answers a pending spawn only after its slow_spawn_timeout, and each request
+        # keeps its place whatever order they arrive in (the pool holds later ones until these are back).
+        await asyncio.gather(*(_ask_again(client, pool, api_url, token, e, log) for e in entries
+                               if e.request.key not in pool.waiting))
+    finally:
+        pool.restored()
+
+
+def queue_notices(state_dir: str, user: str) -> str:
+    """HTML for `user`'s home page: their queued requests that could not come back after a restart, and why."""
+    store = _stores.get(state_dir)
+    if store is None:
+        store = _stores[state_dir] = AllocationStore(f"{state_dir}/allocations.sqlite", owner="pages")
+    lost = store.lost(user)
+    if not lost:
+        return ""
+    items = "".join(
+        f"<li>{html.escape(q.request.display_name)} ({html.escape(q.request.key.partition('/')[2] or 'default')} "
+        f"server), queued {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(q.queued_at))}: "
+        f"{html.escape(q.lost or '')}</li>"
+        for q in lost
+    )
+    return ("<div class='alert alert-warning'>The hub restarted while these requests waited in the queue, and "
+            f"they could not be queued again; start them again when you can:<ul>{items}</ul></div>")

@@ -1,0 +1,133 @@
+"""The queue survives hub restarts, a crash included: through a real `gpupool up`, killed with SIGKILL while
+requests wait, then started again on the same state folder."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from datetime import timedelta
+
+import psutil
+import pytest
+import requests
+
+from gpupool.hub.accounting.ledger import Ledger
+from gpupool.hub.accounting.periods import utcnow
+from gpupool.hub.harness import Hub
+from gpupool.spawner.pool import AllocationStore
+
+POLICY = {
+    "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [hami, whole]}\n"
+                 "inventory:\n  - {model: H200, count: 1}\n",
+    "teams.yaml": "teams:\n  vision: {priority: 100, quota: {gpus: 10, per_user_gpus: 10}}\n",
+    "profiles.yaml": """
+profiles:
+  h200: {display_name: 1 × H200, gpu: {model: H200, count: 1}, teams: [vision], default: true}
+  h200-old: {display_name: 1 × H200 (old), gpu: {model: H200, count: 1}, teams: [vision]}
+""",
+    "billing.yaml": "billing: {prices: {H200: '3.20'}}\n",
+}
+
+
+@pytest.fixture
+def hub(tmp_path):
+    # No heartbeat after the start (the hub's poll): what a server is billed to after it died unseen is then
+    # either its recorded exit or its start, never something in between by chance.
+    hub = Hub(tmp_path, POLICY, 'c.LocalGPUSpawner.run_as = "self"\nc.Spawner.poll_interval = 3600', mlflow=False)
+    hub.start()
+    yield hub
+    hub.kill()
+    for process in psutil.process_iter(["cmdline"]):  # no server or orphaned service outlives the test
+        if str(hub.state) in " ".join(process.info["cmdline"] or []):
+            process.kill()
+
+
+def position(hub: Hub, user: str, expected: str) -> str:
+    """The first queue message of `user`'s spawn that contains `expected` (once the hub knows the spawn)."""
+    deadline = time.monotonic() + 120
+    while hub.server(user) is None and time.monotonic() < deadline:  # asked for again after the restart
+        time.sleep(0.3)
+    return hub.progress_until(user, lambda e: expected in e.get("message", ""), timeout=120)[-1]["message"]
+
+
+def browser_login(hub: Hub, name: str, password: str) -> requests.Session:
+    """A browser session of `name` (NativeAuthenticator's login form), as people log in."""
+    browser = requests.Session()
+    browser.get(f"{hub.url}/hub/login", timeout=30)
+    form = {"username": name, "password": password, "_xsrf": browser.cookies.get("_xsrf", "")}
+    reply = browser.post(f"{hub.url}/hub/login", data=form, timeout=30, allow_redirects=False)
+    assert reply.status_code == 302, reply.text[-2000:]
+    return browser
+
+
+def sign_up_and_approve(hub: Hub, name: str, password: str) -> None:
+    page = requests.Session()
+    page.get(f"{hub.url}/hub/signup", timeout=30)
+    form = {"username": name, "signup_password": password, "signup_password_confirmation": password,
+            "_xsrf": page.cookies.get("_xsrf", "")}
+    assert page.post(f"{hub.url}/hub/signup", data=form, timeout=30).status_code == 200
+    (admin_password,) = re.findall(r"with the password (\S+)", hub.log.read_text())
+    admin = browser_login(hub, "admin", admin_password)
+    assert admin.get(f"{hub.url}/hub/authorize/{name}", timeout=30).status_code == 200
+
+
+def test_queued_requests_come_back_in_order_after_a_hub_crash(hub):
+    for name in ("holder", "w1", "w2", "w3"):
+        hub.add_user(name, "vision")
+    sign_up_and_approve(hub, "w2", "w2-password-long")
+    assert hub.api("POST", "/users/holder/server").status_code in (201, 202)
+    hub.wait_ready("holder")
+    for name, profile in (("w1", "h200"), ("w2", "h200-old"), ("w3", "h200")):
+        assert hub.api("POST", f"/users/{name}/server", json={"profile": profile}).status_code in (201, 202)
+    position(hub, "w3", "position 3 of 3")
+    hub.kill()
+    # While the hub is down its profile `h200-old` goes away: w2's request cannot come back.
+    profiles = hub.policies / "profiles.yaml"
+    profiles.write_text("\n".join(line for line in profiles.read_text().splitlines() if "h200-old" not in line))
+    hub.start()
+    assert position(hub, "w1", "position 1 of 2").startswith("Waiting for 1 × H200: position 1 of 2")
+    position(hub, "w3", "position 2 of 2")
+    log = hub.log.read_text()
+    assert "w2/ could not come back to the queue after the restart" in log
+    home = browser_login(hub, "w2", "w2-password-long").get(f"{hub.url}/hub/home", timeout=30)
+    assert home.status_code == 200 and home.url.endswith("/hub/home"), home.url
+    assert "could not be queued again" in home.text and "No such profile: &#x27;h200-old&#x27;" in home.text
+    # The order holds: the card goes to w1, not w3.
+    hub.stop_server("holder")
+    hub.wait_ready("w1")
+    assert "w3/" not in hub.allocations()
+    for name in ("w1", "w3"):
+        hub.stop_server(name)
+
+
+def test_a_server_that_ends_while_the_hub_is_down_is_billed_to_its_exit(hub):
+    hub.add_user("holder", "vision")
+    assert hub.api("POST", "/users/holder/server").status_code in (201, 202)
+    hub.wait_ready("holder")
+    ledger = Ledger(hub.ledger_url, migrate=False)
+    (interval,) = [i for i in ledger.open_intervals() if i.user == "holder"]
+    while utcnow() - interval.start < timedelta(seconds=4):  # well after its last heartbeat (its start)
+        time.sleep(0.2)
+    (pid,) = [a.pid for a in AllocationStore(hub.state / "allocations.sqlite", owner="test").all()]
+    hub.kill()
+    killed = utcnow()
+    os.kill(pid, signal.SIGKILL)
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        time.sleep(0.1)
+    exits = hub.state / "exits"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (exits.is_dir() and any(
+            p.name.startswith(f"{pid}-") and not p.name.endswith(".tmp") for p in exits.iterdir())):
+        time.sleep(0.2)  # until its exit watcher has written when it ended
+    restarted = utcnow()
+    hub.start()
+    deadline = time.monotonic() + 60
+    while hub.server("holder") is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    (closed,) = [i for i in Ledger(hub.ledger_url, migrate=False).run_intervals(interval.run)]
+    assert closed.how == "failed"
+    # Exact to its exit (the ledger keeps whole seconds), not its last heartbeat nor the hub's restart.
+    assert killed - timedelta(seconds=1) <= closed.end <= restarted, (killed, closed.end, restarted)
+    assert closed.end - interval.start >= timedelta(seconds=4)
