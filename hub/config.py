@@ -125,7 +125,14 @@ def mlflow_service(settings: Settings) -> dict:
             # One worker: the embedded mode shares its few cores with the hub and the servers.
             "--workers", "1",
         ],
-        "environment": {"GPUPOOL_POLICIES": str(settings.policy_dir), "GPUPOOL_LEDGER_URL": settings.ledger_url},
+        "environment": {
+            "GPUPOOL_POLICIES": str(settings.policy_dir), "GPUPOOL_LEDGER_URL": settings.ledger_url,
+            # MLflow's job runner (a huey consumer and its workers, most of MLflow's memory) serves only the
+            # jobs routes (GenAI evaluation, trace rollups), which the gpupool app refuses: not started.
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+            # A private platform never phones home (MLflow's usage telemetry is on by default).
+            "MLFLOW_DISABLE_TELEMETRY": "true",
+        },
         # The hub gives up (and exits) when a managed service does not answer in time; MLflow's first start
         # creates its database and imports a lot, which takes a minute on a busy small machine.
         "timeout": 180,

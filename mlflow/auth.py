@@ -11,7 +11,10 @@ import json
 import logging
 import os
 import secrets
+import threading
+import time
 import uuid
+from collections import OrderedDict
 from datetime import datetime, timezone
 from http.cookies import SimpleCookie
 from urllib.parse import parse_qs, quote, urlencode
@@ -22,13 +25,16 @@ import psutil
 from gpupool.hub.accounting import periods
 from gpupool.mlflow.cost import run_cost
 from gpupool.mlflow.permissions import (
+    AUTHOR_TAG,
     TEAM_TAG,
     Refused,
     Viewer,
+    answer,
     check_alias,
     check_location,
     relative_segments,
     route_of,
+    team_for_model,
     team_for_new,
     viewer_of,
 )
@@ -59,6 +65,39 @@ def _iso(moment: datetime) -> str:
     return moment.isoformat(timespec="seconds")
 
 
+class _Remembered:
+    """A small thread-safe LRU map whose entries expire after `max_age` seconds (None: never)."""
+
+    def __init__(self, size: int, max_age: float | None):
+        self._items: OrderedDict[str, tuple[float, object]] = OrderedDict()
+        self._size, self._max_age, self._lock = size, max_age, threading.Lock()
+
+    def get(self, key: str, default=None):
+        with self._lock:
+            item = self._items.get(key)
+            if item is None or (self._max_age is not None and time.monotonic() - item[0] > self._max_age):
+                return default
+            self._items.move_to_end(key)
+            return item[1]
+
+    def put(self, key: str, value: object) -> None:
+        with self._lock:
+            self._items[key] = (time.monotonic(), value)
+            self._items.move_to_end(key)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+    def forget(self, key: str) -> None:
+        with self._lock:
+            self._items.pop(key, None)
+
+
+#: Owner look-ups remembered: a run's experiment never changes; an experiment's team only when an admin re-tags
+#: it through this service (forgotten then) — the minute is for other writers of the same database.
+_MISSING = object()
+TEAM_MEMORY_SECONDS = 60
+
+
 class Stores:
     """Owner look-ups and the server's own writes, on MLflow's stores in this process."""
 
@@ -66,6 +105,10 @@ class Stores:
         from mlflow.server import handlers
 
         self._handlers = handlers
+        # Every call on a run is checked by its team: without these, each one read the whole run (its
+        # metrics, params and tags) and its experiment from the database before MLflow read them again.
+        self._run_experiments = _Remembered(100_000, None)
+        self._experiment_teams = _Remembered(10_000, TEAM_MEMORY_SECONDS)
 
     @property
     def tracking(self):
@@ -86,7 +129,15 @@ class Stores:
     def experiment_team(self, experiment_id: object) -> str | None:
         if not isinstance(experiment_id, str | int) or not str(experiment_id).isdigit():
             raise Refused(400, f"experiment_id must be a number, not {experiment_id!r}")
-        return self._or_404("such experiment", self.tracking.get_experiment, str(experiment_id)).tags.get(TEAM_TAG)
+        key = str(experiment_id)
+        team = self._experiment_teams.get(key, _MISSING)
+        if team is _MISSING:
+            team = self._or_404("such experiment", self.tracking.get_experiment, key).tags.get(TEAM_TAG)
+            self._experiment_teams.put(key, team)
+        return team
+
+    def forget_experiment(self, experiment_id: object) -> None:
+        self._experiment_teams.forget(str(experiment_id))
 
     def run(self, run_id: object):
         if not isinstance(run_id, str) or not run_id.isalnum():
@@ -94,7 +145,11 @@ class Stores:
         return self._or_404("such run", self.tracking.get_run, run_id)
 
     def run_team(self, run_id: object) -> str | None:
-        return self.experiment_team(self.run(run_id).info.experiment_id)
+        experiment_id = self._run_experiments.get(run_id) if isinstance(run_id, str) else None
+        if experiment_id is None:
+            experiment_id = self.run(run_id).info.experiment_id
+            self._run_experiments.put(run_id, experiment_id)
+        return self.experiment_team(experiment_id)
 
     def logged_model_team(self, model_id: object) -> str | None:
         if not isinstance(model_id, str) or not model_id.replace("-", "").isalnum():
@@ -181,6 +236,8 @@ class Decision:
     def __init__(self):
         self.filter = None  # callable(dict) -> dict
         self.after = None  # callable(dict) -> None, on a 200 answer
+        self.answer = None  # dict: the gate answers itself, MLflow never sees the request
+        self.page = None  # callable(bytes) -> bytes, for the UI's HTML page
 
 
 def _id_of(params: dict, *names: str):
@@ -230,6 +287,11 @@ class Gate:
         decision = Decision()
         kind, _, action = rule.partition(":")
         if rule in ("ui", "any"):
+            if request.path == "/":
+                decision.page = _quiet_page
+            return decision
+        if kind == "answer":
+            decision.answer = answer(action, viewer)
             return decision
         if rule == "graphql":
             self.check_graphql(viewer, request)
@@ -255,11 +317,14 @@ class Gate:
         elif rule == "experiment:by-name":
             decision.filter = lambda body: self.filter_one(viewer, body)
         elif kind == "experiment":
-            self.need(viewer, s.experiment_team(_id_of(params, "experiment_id")), "such experiment")
+            experiment_id = _id_of(params, "experiment_id")
+            self.need(viewer, s.experiment_team(experiment_id), "such experiment")
             if params.get("new_name") is not None:  # a rename may not take another team's name either
                 team_for_new(viewer, params["new_name"], None, list(self.policy.teams))
             if action == "write-tag":
                 self.reserved_key(viewer, params.get("key"))
+                if params.get("key") == TEAM_TAG:  # an admin moved it to another team
+                    decision.after = lambda body: s.forget_experiment(experiment_id)
         elif rule == "experiments:read":
             ids = request.list_param("experiment_ids")
             if not ids:
@@ -268,10 +333,14 @@ class Gate:
                 self.need(viewer, s.experiment_team(experiment_id), "such experiment")
         elif rule == "run:create":
             self.need(viewer, s.experiment_team(_id_of(params, "experiment_id")), "such experiment")
-            tags = [t for t in _tags_param(params) if t.get("key") != "gpupool.user"]
+            # The run's author is the caller, whatever the client says (MLflow's client sends the local
+            # login, which in a server may be anyone's): MLflow's user_id and its `mlflow.user` tag too.
+            tags = [t for t in _tags_param(params) if t.get("key") not in ("gpupool.user", AUTHOR_TAG)]
             for tag in tags:
                 self.reserved_key(viewer, tag.get("key"), allowed=RUN_CONTEXT_TAGS)
-            params["tags"] = tags + [{"key": "gpupool.user", "value": viewer.name}]
+            params["tags"] = tags + [{"key": "gpupool.user", "value": viewer.name},
+                                     {"key": AUTHOR_TAG, "value": viewer.name}]
+            params["user_id"] = viewer.name
         elif kind == "run":
             run_id = _id_of(params, "run_id", "run_uuid")
             self.need(viewer, s.run_team(run_id), "such run")
@@ -280,8 +349,12 @@ class Gate:
             elif action == "write-batch":
                 for tag in _tags_param(params):
                     self.reserved_key(viewer, tag.get("key"))
-            elif action == "update" and params.get("status") in TERMINAL_STATUSES:
-                decision.after = lambda body: self.tag_cost(str(run_id))
+            elif action == "update":
+                if "user_id" in params:
+                    raise Refused(400, "a run's user_id is its author, set by gpupool when the run is created; "
+                                       "runs/update accepts run_id, status, end_time and run_name")
+                if params.get("status") in TERMINAL_STATUSES:
+                    decision.after = lambda body: self.tag_cost(str(run_id))
         elif rule == "runs:read":
             ids = request.list_param("run_ids")
             if not ids:
@@ -291,8 +364,10 @@ class Gate:
         elif kind == "logged-model":
             self.need(viewer, s.logged_model_team(args[0]), "such logged model")
         elif rule == "model:rename":
-            self.need(viewer, s.model_team(params.get("name")), "such registered model")
-            team_for_new(viewer, params.get("new_name"), None, list(self.policy.teams))
+            team = s.model_team(params.get("name"))
+            self.need(viewer, team, "such registered model")
+            # The new name follows the same rule, with the model's own team: a rename does not move it.
+            team_for_model(viewer, params.get("new_name"), team, list(self.policy.teams))
         elif kind == "model":
             self.need(viewer, s.model_team(params.get("name")), "such registered model")
             if action == "write-tag":
@@ -320,6 +395,9 @@ class Gate:
     def reserved_key(self, viewer: Viewer, key: object, allowed=frozenset()) -> None:
         if not isinstance(key, str):
             raise Refused(400, "a tag needs a string key")
+        if key == AUTHOR_TAG:  # for admins too: who ran a run is a fact, not a setting
+            raise Refused(403, f"{AUTHOR_TAG!r} is the run's author, set by gpupool to the user who created the "
+                               "run; it cannot be set or removed")
         if key.startswith(SERVER_TAG_PREFIX) and key not in allowed and not viewer.admin:
             raise Refused(403, f"tags starting with {SERVER_TAG_PREFIX!r} are written by gpupool itself "
                                f"(ownership, alias history, cost); {key!r} cannot be set or removed")
@@ -331,8 +409,8 @@ class Gate:
             raise Refused(400, f"at most one {TEAM_TAG} tag, naming one of your teams")
         for tag in tags:
             self.reserved_key(viewer, tag.get("key"), allowed={TEAM_TAG})
-        team = team_for_new(viewer, params.get("name"), requested[0] if requested else None,
-                            list(self.policy.teams))
+        pick = team_for_model if what == "registered model" else team_for_new
+        team = pick(viewer, params.get("name"), requested[0] if requested else None, list(self.policy.teams))
         params["tags"] = [t for t in tags if t.get("key") != TEAM_TAG] + [{"key": TEAM_TAG, "value": team}]
 
     def check_new_version(self, viewer: Viewer, params: dict) -> None:
@@ -478,6 +556,21 @@ class Gate:
         self.stores.set_run_tags(run_id, cost.tags())
 
 
+#: The UI's own first-visit flags (its localStorage keys), set on the first page unless the user has them: MLflow's
+#: assistant panel opens by itself on a first visit from localhost (where a one-machine hub is often opened) but
+#: runs a coding agent on the server's host, which gpupool leaves without providers; the UI's telemetry notice
+#: and switch concern telemetry that is off on a private platform.
+_UI_FLAGS = (("mlflow.assistant.fab.autoOpenedOnFirstLoad_v1", "true"),
+             ("mlflow.telemetry.info.alert.dismissed_v1", "true"),
+             ("mlflow.settings.telemetry.enabled_v1", "false"))
+_UI_FLAGS_SCRIPT = ("<script>try{" + json.dumps([list(f) for f in _UI_FLAGS]) + ".forEach(function(f){"
+                    "localStorage.getItem(f[0])===null&&localStorage.setItem(f[0],f[1])})}catch(e){}</script>")
+
+
+def _quiet_page(html: bytes) -> bytes:
+    return html.replace(b"<head>", b"<head>" + _UI_FLAGS_SCRIPT.encode(), 1)
+
+
 def _tag(obj: dict, key: str) -> str | None:
     tags = obj.get("tags") or []
     if isinstance(tags, dict):
@@ -510,7 +603,7 @@ class HubGate:
         try:
             body = await _read_body(scope, receive)
             request = Request(scope, self.prefix, body)
-            user = await anyio.to_thread.run_sync(self.identify, request)
+            user = await self.identify(request)
             if user is None:
                 if request.method == "GET" and "text/html" in request.headers.get("accept", ""):
                     return await self.login_redirect(scope, send)
@@ -522,13 +615,15 @@ class HubGate:
             return await _refuse(send, refused)
         await self.forward(scope, request, decision, send)
 
-    def identify(self, request: Request) -> dict | None:
+    async def identify(self, request: Request) -> dict | None:
         header = request.headers.get("authorization", "")
         match = self.auth.auth_header_pat.match(header)
         token = match.group(1) if match else _cookies(request.headers).get(TOKEN_COOKIE)
         if not token:
             return None
-        user = self.auth.user_for_token(token)
+        # On this event loop: a cached token (HubAuth remembers each for `cache_max_age`) costs nothing, where
+        # the blocking form hands every call to HubAuth's own thread and waits for it.
+        user = await self.auth.user_for_token(token, sync=False)
         if user is None:
             return None
         if not self.auth.check_scopes(self.auth.access_scopes, user):
@@ -537,6 +632,8 @@ class HubGate:
         return user
 
     async def forward(self, scope, request: Request, decision: Decision, send) -> None:
+        if decision.answer is not None:
+            return await _json(send, 200, decision.answer)
         body = request.body
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         headers.append((b"content-length", str(len(body)).encode()))
@@ -553,7 +650,7 @@ class HubGate:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        if decision.filter is None and decision.after is None:
+        if decision.filter is None and decision.after is None and decision.page is None:
             return await self.app(inner_scope, replay, send)
         start, chunks = {}, []
 
@@ -565,7 +662,10 @@ class HubGate:
 
         await self.app(inner_scope, replay, capture)
         answer = b"".join(chunks)
-        if start.get("status") == 200:
+        if decision.page is not None:
+            if start.get("status") == 200 and not dict(start.get("headers", [])).get(b"content-encoding"):
+                answer = decision.page(answer)
+        elif start.get("status") == 200:
             try:
                 data = json.loads(answer) if answer else {}
                 if decision.filter is not None:
@@ -659,8 +759,12 @@ async def _health(send) -> None:
 
 
 async def _refuse(send, refused: Refused) -> None:
-    body = json.dumps({"error_code": refused.error_code, "message": refused.message}).encode()
-    await send({"type": "http.response.start", "status": refused.status,
+    await _json(send, refused.status, {"error_code": refused.error_code, "message": refused.message})
+
+
+async def _json(send, status: int, value: dict) -> None:
+    body = json.dumps(value).encode()
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 #: The tag that says which team an experiment or a registered model belongs to.
 TEAM_TAG = "gpupool.team"
+#: MLflow's tag for who ran a run (its UI's "User" column); gpupool sets it, with `user_id`, to the caller.
+AUTHOR_TAG = "mlflow.user"
 #: Aliases only a team's reviewers (policy `teams.<t>.reviewers`) and admins may set or remove.
 REVIEWED_ALIASES = frozenset({"production"})
 #: Every artifact of team T lives under this URI prefix + T.
@@ -83,6 +85,39 @@ def team_for_new(viewer: Viewer, name: object, requested: str | None, all_teams)
     return viewer.teams[0]
 
 
+#: A registered model's name starts with its team's name and this separator: `vision-classifier`. ("/" would
+#: read as a version in `models:/NAME/VERSION` URIs.)
+MODEL_NAME_SEPARATOR = "-"
+
+
+def model_name_team(name: object, all_teams) -> str | None:
+    """The team a registered model's name belongs to: the longest team name that, with "-", starts it."""
+    if not isinstance(name, str):
+        return None
+    owners = [t for t in all_teams if name.startswith(t + MODEL_NAME_SEPARATOR) and len(name) > len(t) + 1]
+    return max(owners, key=len, default=None)
+
+
+def team_for_model(viewer: Viewer, name: object, requested: str | None, all_teams) -> str:
+    """The team of a new registered model called `name`, which must start with one of the caller's teams + "-".
+
+    Registered-model names are global in MLflow: without the rule, any team could take the name another team
+    documents (and that team would then get "already exists").
+    """
+    yours = ", ".join(viewer.teams) or "none"
+    example = f"{viewer.teams[0] if viewer.teams else 'TEAM'}{MODEL_NAME_SEPARATOR}classifier"
+    team = model_name_team(name, all_teams)
+    if team is None:
+        raise Refused(400, f"registered model name {name!r} refused: a model's name starts with its team's name "
+                           f"and {MODEL_NAME_SEPARATOR!r}, e.g. {example!r} (your teams: {yours})")
+    if not viewer.member_of(team):
+        raise Refused(403, f"the name {name!r} belongs to team {team!r} (a model's name starts with its team's "
+                           f"name and {MODEL_NAME_SEPARATOR!r}); choose one such as {example!r} (your teams: {yours})")
+    if requested is not None and requested != team:
+        raise Refused(400, f"registered model {name!r} belongs to team {team!r} by its name, not to {requested!r}")
+    return team
+
+
 def artifact_root(team: str) -> str:
     return f"{ARTIFACT_SCHEME}/{team}/"
 
@@ -125,7 +160,8 @@ def check_alias(viewer: Viewer, team: str | None, alias: object) -> None:
 
 # --- the routes --------------------------------------------------------------------------------------------
 
-#: (method, path under the service prefix with ajax-api written as api) → what is checked. `<id>` is one path
+#: (method, path under the service prefix with ajax-api written as api) → what is checked ("answer:…": the gate
+#: answers it, see `answer`). `<id>` is one path
 #: segment, `<path>` the rest of the path.
 _API = "/api/2.0/mlflow/"
 ROUTES: dict[tuple[str, str], str] = {
@@ -133,6 +169,13 @@ ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/static-files/<path>"): "ui",
     ("GET", "/version"): "any",
     ("GET", "/api/3.0/mlflow/server-info"): "any",
+    # The UI asks whether to send usage telemetry; MLflow runs with it off, so the answer is "no".
+    ("GET", "/api/3.0/mlflow/ui-telemetry"): "any",
+    # Answered by the gpupool app itself (`answer` below), never by MLflow: who is logged in (the hub user, for
+    # the UI's user menu), and MLflow's assistant, which runs a coding-agent CLI on the server's host: off.
+    ("GET", "/api/2.0/mlflow/users/current"): "answer:current-user",
+    ("GET", "/api/3.0/mlflow/assistant/config"): "answer:assistant-config",
+    ("GET", "/api/3.0/mlflow/assistant/providers"): "answer:assistant-providers",
     ("GET", "/get-artifact"): "run:read",
     ("GET", "/model-versions/get-artifact"): "model:read",
     ("POST", "/graphql"): "graphql",
@@ -153,6 +196,8 @@ ROUTES: dict[tuple[str, str], str] = {
     ("POST", _API + "runs/create"): "run:create",
     ("GET", _API + "runs/get"): "run:read",
     ("POST", _API + "runs/search"): "experiments:read",
+    # The experiment page's charts (trace counts, latencies) in its default view.
+    ("POST", "/api/3.0/mlflow/traces/metrics"): "experiments:read",
     ("POST", _API + "runs/update"): "run:update",
     ("POST", _API + "runs/delete"): "run:write",
     ("POST", _API + "runs/restore"): "run:write",
@@ -230,3 +275,16 @@ def route_of(method: str, path: str) -> tuple[str, tuple[str, ...]]:
             if match:
                 return rule, match.groups()
     raise Refused(404, f"{method} {path} is not available through gpupool's MLflow service")
+
+
+def answer(what: str, viewer: Viewer) -> dict:
+    """The gate's own answer to an `answer:` route, in the form MLflow's UI expects."""
+    if what == "current-user":
+        # is_basic_auth false: the UI offers no MLflow password change or logout (the hub owns both).
+        return {"user": {"id": viewer.name, "username": viewer.name, "is_admin": viewer.admin},
+                "is_basic_auth": False}
+    if what == "assistant-config":
+        return {"providers": {}, "projects": {}, "remote_access_allowed": False}
+    if what == "assistant-providers":
+        return {"providers": [], "resolved": None, "gateway_vendor_options": {}}
+    raise Refused(404, f"no answer {what!r}")

@@ -105,7 +105,8 @@ def teams_of(policy: Policy, user: str, groups) -> list[str]:
 
 def mlflow_env(url: str, token: str, team: str | None) -> dict[str, str]:
     """The MLflow client's variables in a user server: the hub-served tracking server, the server's hub token."""
-    env = {"MLFLOW_TRACKING_URI": url.rstrip("/"), "MLFLOW_TRACKING_TOKEN": token}
+    # A private platform never phones home: MLflow's client telemetry is on by default.
+    env = {"MLFLOW_TRACKING_URI": url.rstrip("/"), "MLFLOW_TRACKING_TOKEN": token, "MLFLOW_DISABLE_TELEMETRY": "true"}
     if team:
         env["MLFLOW_EXPERIMENT_NAME"] = team
     return env

@@ -24,6 +24,9 @@ def test_gpupool_up_runs_mlflow_behind_the_hub_with_state_in_the_state_folder(tm
     assert "--serve-artifacts" in options
     assert options[options.index("--static-prefix") + 1] == "/services/mlflow"
     assert options[options.index("--port") + 1] == "9004"
+    # Only what gpupool serves runs (no job runner), and nothing phones home.
+    assert service["environment"]["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false"
+    assert service["environment"]["MLFLOW_DISABLE_TELEMETRY"] == "true"
     assert c.LocalGPUSpawner.mlflow_url == "http://127.0.0.1:9000/services/mlflow/"
     roles = {r["name"]: r for r in c.JupyterHub.load_roles}
     assert roles["gpupool-mlflow"]["scopes"] == [] and roles["gpupool-mlflow"]["services"] == ["mlflow"]
@@ -38,7 +41,7 @@ def test_gpupool_up_runs_mlflow_behind_the_hub_with_state_in_the_state_folder(tm
 def test_a_servers_mlflow_environment_and_token_scopes():
     assert mlflow_env("http://hub/services/mlflow/", "tok", "vision") == {
         "MLFLOW_TRACKING_URI": "http://hub/services/mlflow", "MLFLOW_TRACKING_TOKEN": "tok",
-        "MLFLOW_EXPERIMENT_NAME": "vision",
+        "MLFLOW_EXPERIMENT_NAME": "vision", "MLFLOW_DISABLE_TELEMETRY": "true",
     }
     assert "MLFLOW_EXPERIMENT_NAME" not in mlflow_env("http://hub/services/mlflow/", "tok", None)
     # JupyterHub's default `server` role, plus calling MLflow: nothing else.

@@ -13,10 +13,13 @@ from gpupool.mlflow.cost import run_cost
 from gpupool.mlflow.permissions import (
     ROUTES,
     Refused,
+    answer,
     Viewer,
     check_alias,
     check_location,
+    model_name_team,
     route_of,
+    team_for_model,
     team_for_new,
     viewer_of,
 )
@@ -65,6 +68,29 @@ def test_the_team_of_a_new_object():
     assert team_for_new(ROOT, "nlp/x", None, TEAMS) == "nlp"
 
 
+def test_a_registered_models_name_starts_with_its_team_and_a_dash():
+    assert team_for_model(ALICE, "vision-classifier", None, TEAMS) == "vision"
+    assert team_for_model(ALICE, "vision-classifier", "vision", TEAMS) == "vision"
+    assert team_for_model(BOTH, "nlp-tagger", None, TEAMS) == "nlp"
+    assert team_for_model(ROOT, "nlp-tagger", None, TEAMS) == "nlp"
+    # The longest team name wins: "vision-extra-x" is vision-extra's, not vision's.
+    assert model_name_team("vision-extra-x", TEAMS) == "vision-extra"
+    assert model_name_team("vision-extrax", TEAMS) == "vision"
+    for name in ("classifier", "vision", "vision-", "vision/classifier", "visionclassifier", "Vision-x", None, 7):
+        with pytest.raises(Refused) as refused:
+            team_for_model(ALICE, name, None, TEAMS)
+        assert refused.value.status == 400, name
+        assert "starts with its team's name and '-'" in refused.value.message
+        assert "'vision-classifier'" in refused.value.message
+    for name in ("nlp-tagger", "vision-extra-x"):  # another team's
+        with pytest.raises(Refused) as refused:
+            team_for_model(ALICE, name, None, TEAMS)
+        assert refused.value.status == 403 and "belongs to team" in refused.value.message
+    with pytest.raises(Refused) as refused:  # the name says vision, the tag says nlp
+        team_for_model(BOTH, "vision-x", "nlp", TEAMS)
+    assert refused.value.status == 400
+
+
 def test_only_reviewers_touch_production():
     check_alias(ALICE, "vision", "candidate")
     check_alias(RITA, "vision", "production")
@@ -94,9 +120,23 @@ def test_routes_are_an_allow_list():
     mlflow_routes = {(m, p.replace("<model_id>", "<id>").replace("<path:artifact_path>", "<path>")
                       .replace("<tag_key>", "<path>"))
                      for p, _, methods in get_endpoints() for m in methods}
-    api = {(m, p) for (m, p) in ROUTES if p.startswith("/api/") and "get-history-bulk" not in p
-           and "search-datasets" not in p and not p.endswith("/artifacts/files")}
+    api = {(m, p) for (m, p), rule in ROUTES.items() if p.startswith("/api/") and "get-history-bulk" not in p
+           and "search-datasets" not in p and not p.endswith("/artifacts/files") and not rule.startswith("answer:")
+           and "ui-telemetry" not in p}  # (served at ajax-api/ only)
     assert api <= mlflow_routes, api - mlflow_routes
+
+
+def test_the_ui_gets_gpupools_own_answers_for_login_and_the_assistant():
+    assert route_of("GET", "/ajax-api/2.0/mlflow/users/current") == ("answer:current-user", ())
+    assert answer("current-user", ALICE)["user"]["username"] == "alice"
+    assert route_of("GET", "/ajax-api/3.0/mlflow/assistant/config") == ("answer:assistant-config", ())
+    assert answer("assistant-config", ALICE)["remote_access_allowed"] is False
+    assert answer("assistant-providers", ALICE)["providers"] == []
+    # Everything else of the assistant (sessions, installing providers, running tools) stays closed.
+    for method, path in [("POST", "/ajax-api/3.0/mlflow/assistant/message"),
+                         ("PUT", "/ajax-api/3.0/mlflow/assistant/config")]:
+        with pytest.raises(Refused):
+            route_of(method, path)
 
 
 def test_viewer_from_hub_model_and_policies():
@@ -145,7 +185,27 @@ def test_run_cost_counts_only_the_runs_window_per_model_price():
     assert cost.gpu_hours == 3
     assert cost.cost == Decimal("5.40") and cost.currency == "EUR"  # 1 × 3.20 + 2 × 1.10, across a month end
     tags = cost.tags()
-    assert Fraction(tags["gpupool.gpu_hours"]) == 3 and tags["gpupool.cost"] == "5.40"
+    assert Fraction(tags["gpupool.gpu_hours"]) == 3 and Decimal(tags["gpupool.cost"]) == Decimal("5.40")
     everything = run_cost(policy, intervals, t0, t0 + timedelta(hours=3))
     assert everything.gpu_hours == 4
     assert run_cost(policy, [], t0, t0).cost == Decimal("0.00")
+
+
+def test_a_run_of_seconds_costs_its_ledger_seconds_exactly():
+    """Runs are timed in milliseconds, the ledger in whole seconds: a short run still shows what it used."""
+    policy = load_policy_text("teams:\n  vision: {}\n")
+    t0 = datetime(2026, 12, 3, 9, tzinfo=timezone.utc)
+    server = Interval("s", "alice", "vision", "q", "H200", Fraction(1, 4), t0, None, None, t0, timedelta(0))
+    ms = timedelta(milliseconds=1)
+    # 5 s on a quarter H200 at 3.20 per GPU-hour: 5/4 GPU-seconds, 0.000347 GPU-h, 0.0011 EUR.
+    five = run_cost(policy, [server], t0 + 300 * ms, t0 + 5300 * ms, profile="q")
+    assert five.gpu_hours == Fraction(5, 4 * 3600)
+    assert five.tags() == {"gpupool.gpu_hours": "0.000347", "gpupool.gpu_seconds": "5/4",
+                           "gpupool.cost": "0.0011", "gpupool.currency": "EUR"}
+    # Under a second, across a ledger second: that second (the ledger bills it), not nothing.
+    assert run_cost(policy, [server], t0 + 900 * ms, t0 + 1200 * ms).gpu_hours == Fraction(1, 4 * 3600)
+    # Runs one after another share out the server's seconds: together exactly what the ledger holds.
+    bounds = [t0 + k * 700 * ms for k in range(12)]
+    parts = [run_cost(policy, [server], a, b).gpu_hours for a, b in zip(bounds, bounds[1:])]
+    whole = run_cost(policy, [server], bounds[0], bounds[-1]).gpu_hours
+    assert sum(parts) == whole == Fraction(7, 4 * 3600)  # seconds 0..7 of the ledger

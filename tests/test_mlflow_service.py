@@ -10,6 +10,7 @@ import json
 import shutil
 import textwrap
 from datetime import timedelta
+from decimal import Decimal
 from fractions import Fraction
 from pathlib import Path
 
@@ -124,10 +125,14 @@ def test_a_notebook_logs_runs_and_registers_models_with_its_servers_environment(
     tags = notebook["tags"]
     assert tags["gpupool.user"] == "alice" and tags["gpupool.team"] == "vision"
     assert tags["gpupool.profile"] == "h200-quarter" and tags["gpupool.share"] == "1/4"
-    # When the run ended, the server priced alice's quarter H200 over the run's seconds.
-    assert Fraction(tags["gpupool.gpu_hours"]) > 0 and tags["gpupool.currency"] == "EUR"
-    assert "gpupool.cost" in tags
+    # When the run ended, the server priced alice's quarter H200 over every ledger second of the run (her
+    # server held it all along), and the author is alice.
     run = call(hub, "alice", "GET", API + "runs/get", params={"run_id": notebook["run_id"]}).json()["run"]
+    seconds = run["info"]["end_time"] // 1000 - run["info"]["start_time"] // 1000
+    assert seconds > 0 and Fraction(tags["gpupool.gpu_seconds"]) == Fraction(1, 4) * seconds, (seconds, tags)
+    assert Fraction(tags["gpupool.gpu_hours"]) > 0 and Decimal(tags["gpupool.cost"]) > 0, tags
+    assert tags["gpupool.currency"] == "EUR"
+    assert tags["mlflow.user"] == "alice" and run["info"]["user_id"] == "alice"
     assert {m["key"]: m["value"] for m in run["data"]["metrics"]} == {"accuracy": 0.95}
     assert run["info"]["artifact_uri"].startswith("mlflow-artifacts:/vision/")
     listing = call(hub, "alice", "GET", API + "artifacts/list", params={"run_id": notebook["run_id"]}).json()
@@ -321,6 +326,52 @@ def test_bad_requests_get_4xx_never_500(hub):
     assert narrow.status_code == 403
 
 
+def test_a_runs_author_is_the_caller_whatever_the_client_sends(hub):
+    experiment = call(hub, "alice", "POST", API + "experiments/create", json={"name": "vision/authors"})
+    assert experiment.status_code == 200, experiment.text
+    forged = {"key": "mlflow.user", "value": "someone-else"}
+    created = call(hub, "alice", "POST", API + "runs/create", json={
+        "experiment_id": experiment.json()["experiment_id"], "user_id": "someone-else", "tags": [forged]})
+    assert created.status_code == 200, created.text
+    run_id = created.json()["run"]["info"]["run_id"]
+
+    def author():
+        run = call(hub, "alice", "GET", API + "runs/get", params={"run_id": run_id}).json()["run"]
+        return run["info"]["user_id"], {t["key"]: t["value"] for t in run["data"]["tags"]}["mlflow.user"]
+
+    assert author() == ("alice", "alice")
+    # Nobody changes it later, not even the author.
+    for path, body in [("runs/set-tag", {"run_id": run_id, **forged}),
+                       ("runs/delete-tag", {"run_id": run_id, "key": "mlflow.user"}),
+                       ("runs/log-batch", {"run_id": run_id, "tags": [forged]})]:
+        reply = call(hub, "alice", "POST", API + path, json=body)
+        assert reply.status_code == 403 and "author" in reply.json()["message"], (path, reply.text)
+    reply = call(hub, "alice", "POST", API + "runs/update", json={"run_id": run_id, "user_id": "someone-else"})
+    assert reply.status_code == 400 and "user_id" in reply.json()["message"], reply.text
+    assert author() == ("alice", "alice")
+
+
+def test_registered_model_names_start_with_their_team(hub):
+    taken = call(hub, "nadia", "POST", API + "registered-models/create", json={"name": "vision-detector"})
+    assert taken.status_code == 403 and "belongs to team 'vision'" in taken.json()["message"], taken.text
+    for name in ("detector", "nlp/detector"):
+        bad = call(hub, "nadia", "POST", API + "registered-models/create", json={"name": name})
+        assert bad.status_code == 400, bad.text
+        assert "starts with its team's name and '-', e.g. 'nlp-classifier'" in bad.json()["message"]
+    assert call(hub, "nadia", "POST", API + "registered-models/create", json={"name": "nlp-tagger"}).status_code == 200
+    # A rename keeps the rule and the team.
+    renamed = call(hub, "nadia", "POST", API + "registered-models/rename",
+                   json={"name": "nlp-tagger", "new_name": "vision-tagger"})
+    assert renamed.status_code == 403, renamed.text
+    assert call(hub, "nadia", "POST", API + "registered-models/rename",
+                json={"name": "nlp-tagger", "new_name": "tagger"}).status_code == 400
+    assert call(hub, "nadia", "POST", API + "registered-models/rename",
+                json={"name": "nlp-tagger", "new_name": "nlp-tagger-v2"}).status_code == 200
+    # The name vision documents stays free for vision.
+    mine = call(hub, "alice", "POST", API + "registered-models/create", json={"name": "vision-detector"})
+    assert mine.status_code == 200, mine.text
+
+
 def test_a_finished_run_is_tagged_with_its_gpu_hours_and_cost_from_the_ledger(hub):
     now = utcnow().replace(microsecond=0)
     start = now - timedelta(hours=3)
@@ -332,8 +383,9 @@ def test_a_finished_run_is_tagged_with_its_gpu_hours_and_cost_from_the_ledger(hu
     ledger.open_interval("rita-1", "rita", "vision", "h200-quarter", "H200", Fraction(1, 2), start + timedelta(hours=1))
     ledger.close_interval("rita-1", start + timedelta(hours=3), "stopped")
     ledger.dispose()
-    experiment = call(hub, "rita", "GET", API + "experiments/get-by-name", params={"experiment_name": "vision"})
-    experiment_id = experiment.json()["experiment"]["experiment_id"]
+    experiment = call(hub, "rita", "POST", API + "experiments/create", json={"name": "vision/costs"})
+    assert experiment.status_code == 200, experiment.text
+    experiment_id = experiment.json()["experiment_id"]
     created = call(hub, "rita", "POST", API + "runs/create", json={
         "experiment_id": experiment_id, "start_time": int(start.timestamp() * 1000),
         "tags": [{"key": "gpupool.team", "value": "vision"}, {"key": "gpupool.profile", "value": "h200-quarter"},
@@ -351,10 +403,43 @@ def test_a_finished_run_is_tagged_with_its_gpu_hours_and_cost_from_the_ledger(hu
     # The server wrote who ran it (not what the client claimed) and what it cost: 0.5 × 2 h at 3.20.
     assert tags["gpupool.user"] == "rita"
     assert Fraction(tags["gpupool.gpu_hours"]) == 1
-    assert tags["gpupool.cost"] == "3.20" and tags["gpupool.currency"] == "EUR"
+    assert tags["gpupool.gpu_seconds"] == "3600"  # half a card for 7200 s
+    assert Decimal(tags["gpupool.cost"]) == Decimal("3.20") and tags["gpupool.currency"] == "EUR"
 
 
-def test_a_browser_logs_in_through_the_hub_and_sees_its_teams_experiment(hub, notebook, tmp_path):
+class _PageWatch:
+    """What a page's requests got (HTTP errors, failed loads), its console errors, and whether any is in flight."""
+
+    def __init__(self, browser):
+        self.browser, self.inflight, self.errors, self.quiet = browser, set(), [], 0
+
+    def read(self) -> None:
+        for entry in self.browser.get_log("performance"):
+            message = json.loads(entry["message"])["message"]
+            method, params = message["method"], message.get("params", {})
+            if method == "Network.requestWillBeSent" and params.get("type") in ("XHR", "Fetch"):
+                self.inflight.add(params["requestId"])
+            elif method in ("Network.loadingFinished", "Network.loadingFailed"):
+                self.inflight.discard(params["requestId"])
+            if method == "Network.responseReceived" and params["response"]["status"] >= 400:
+                self.errors.append(f"{params['response']['status']} {params['response']['url']}")
+            elif method == "Network.loadingFailed" and not params.get("canceled"):
+                self.errors.append(f"failed {params.get('errorText')} ({params.get('type')})")
+        self.errors += [f"console: {e['message']}" for e in self.browser.get_log("browser") if e["level"] == "SEVERE"]
+
+    def settled(self, _browser=None) -> bool:
+        """True once no request has been in flight for 2 s of polls (the UI's periodic refreshes may follow)."""
+        self.read()
+        self.quiet = 0 if self.inflight else self.quiet + 1
+        return self.quiet >= 8
+
+    def take_errors(self) -> list[str]:
+        self.read()
+        errors, self.errors = self.errors, []
+        return errors
+
+
+def test_a_browser_logs_in_through_the_hub_and_sees_its_teams_experiment_without_errors(hub, notebook, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     driver_path = shutil.which("chromedriver")
     if not chromium or not driver_path:
@@ -371,7 +456,18 @@ def test_a_browser_logs_in_through_the_hub_and_sees_its_teams_experiment(hub, no
     for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,900"):
         options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
     browser = webdriver.Chrome(service=Service(driver_path), options=options)
+    shots = REPO_ROOT / "docs" / "screenshots"
+    shots.mkdir(parents=True, exist_ok=True)
+
+    watch = _PageWatch(browser)
+
+    def settled(predicate, timeout=120):
+        WebDriverWait(browser, timeout).until(predicate)
+        watch.quiet = 0
+        WebDriverWait(browser, timeout, poll_frequency=0.25).until(watch.settled)
+
     try:
         browser.get(f"{hub.url}/services/mlflow/")
         WebDriverWait(browser, 60).until(expected_conditions.url_contains("/hub/login"))
@@ -379,17 +475,29 @@ def test_a_browser_logs_in_through_the_hub_and_sees_its_teams_experiment(hub, no
         browser.find_element(By.ID, "password_input").send_keys(PASSWORD)
         browser.find_element(By.ID, "login_submit").click()
         WebDriverWait(browser, 120).until(expected_conditions.url_contains("/services/mlflow/"))
-        WebDriverWait(browser, 120).until(lambda b: "vision" in b.find_element(By.TAG_NAME, "body").text)
+        watch.take_errors()  # the hub's login pages are not what this test is about
+        # The first page a user sees.
+        browser.get(f"{hub.url}/services/mlflow/")
+        settled(lambda b: "vision" in b.find_element(By.TAG_NAME, "body").text)
         assert "nlp" not in [e.text for e in browser.find_elements(By.CSS_SELECTOR, "a")]
+        browser.save_screenshot(str(shots / "mlflow-experiments.png"))
+        first_page = watch.take_errors()
+        first_text = browser.find_element(By.TAG_NAME, "body").text
+        # The team's experiment, in its default view.
+        browser.get(f"{hub.url}/services/mlflow/#/experiments/{notebook['experiment_id']}")
+        # Its default view (Overview) draws the experiment's charts: data, "no data", or the error this is about.
+        settled(lambda b: any(text in b.find_element(By.TAG_NAME, "body").text
+                              for text in ("No data available", "Failed to load")))
+        browser.save_screenshot(str(shots / "mlflow-experiment.png"))
+        body = browser.find_element(By.TAG_NAME, "body").text
+        experiment_page = watch.take_errors()
     finally:
-        shot = tmp_path / "mlflow-ui.png"
-        browser.save_screenshot(str(shot))
-        keep = REPO_ROOT / "build" / "screenshots"
-        keep.mkdir(parents=True, exist_ok=True)
-        shutil.copy(shot, keep / "mlflow-ui.png")
+        browser.save_screenshot(str(tmp_path / "mlflow-ui-last.png"))
         browser.quit()
-    assert shot.stat().st_size > 0
-
+    assert first_page == [] and experiment_page == [], (first_page, experiment_page)
+    assert "Failed to load" not in body, body[:2000]
+    # What a private platform's first page must not show: the assistant opened by itself, a telemetry notice.
+    assert "Information about UI telemetry" not in first_text and "Assistant" not in first_text, first_text
 
 @pytest.mark.postgresql
 def test_mlflow_runs_and_models_on_postgresql(postgres_server, tmp_path_factory):

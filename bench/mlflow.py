@@ -1,0 +1,162 @@
+"""MLflow REST calls: a plain `mlflow server` vs gpupool's (`--app-name gpupool`) direct and through the hub.
+
+One `gpupool up` (its MLflow service on SQLite) and one plain `mlflow server` on the same store (the same
+SQLite file and artifacts folder, the same options but the app) run side by side; each operation is timed
+against the three, interleaved (plain, gpupool, through the hub's proxy, in turn) so all see the same load.
+Each target logs into its own run of one experiment of team vision. Prints median milliseconds per
+operation and the ratios to plain (target ≤ 1.2 for both).
+
+    .venv/bin/python bench/mlflow.py [--calls 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import requests
+
+from gpupool.hub.harness import Hub, free_port_block
+
+POLICY = {
+    "policy.yaml": """
+models:
+  H200: {vendor: nvidia, memory_gib: 141, backends: [hami]}
+inventory: [{model: H200, count: 2}]
+teams:
+  vision: {members: [bench]}
+profiles:
+  h200-quarter: {display_name: 0.25 × H200, gpu: {model: H200, share: 0.25}, teams: [vision]}
+billing: {prices: {H200: '3.20'}}
+""",
+}
+SELF = 'c.LocalGPUSpawner.run_as = "self"\n'
+API = "api/2.0/mlflow/"
+UPLOAD = os.urandom(10 * 1024 * 1024)
+
+
+class Target:
+    def __init__(self, name: str, base: str, token: str | None):
+        self.name, self.base = name, base.rstrip("/") + "/"
+        self.session = requests.Session()
+        if token:
+            self.session.headers["Authorization"] = f"Bearer {token}"
+        self.run_id = ""
+        self.artifacts = ""
+
+    def call(self, method: str, path: str, **kw) -> requests.Response:
+        reply = self.session.request(method, self.base + path, timeout=120, **kw)
+        assert reply.status_code == 200, (self.name, method, path, reply.status_code, reply.text[:300])
+        return reply
+
+
+def operations(experiment_id: str):
+    step = iter(range(10**9))
+
+    def log_metric(t: Target):
+        t.call("POST", API + "runs/log-metric", json={"run_id": t.run_id, "key": "loss", "value": 0.5,
+                                                      "timestamp": int(time.time() * 1000), "step": next(step)})
+
+    def log_batch(t: Target):
+        now, first = int(time.time() * 1000), next(step)
+        t.call("POST", API + "runs/log-batch", json={"run_id": t.run_id, "metrics": [
+            {"key": f"m{k}", "value": k / 50, "timestamp": now, "step": first} for k in range(50)]})
+
+    def get_run(t: Target):
+        t.call("GET", API + "runs/get", params={"run_id": t.run_id})
+
+    def search_runs(t: Target):
+        t.call("POST", API + "runs/search", json={"experiment_ids": [experiment_id], "max_results": 100})
+
+    def upload(t: Target):
+        t.call("PUT", f"api/2.0/mlflow-artifacts/artifacts/{t.artifacts}/blob-{uuid.uuid4().hex[:8]}.bin",
+               data=UPLOAD, headers={"Content-Type": "application/octet-stream"})
+
+    return {"log-metric": (log_metric, 1), "log-batch (50)": (log_batch, 1), "get-run": (get_run, 1),
+            "search-runs": (search_runs, 1), "upload 10 MB": (upload, 10)}
+
+
+def plain_server(store: Path, port: int, log) -> subprocess.Popen:
+    mlflow = Path(sys.executable).parent / "mlflow"
+    env = dict(os.environ, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false", MLFLOW_DISABLE_TELEMETRY="true")
+    return subprocess.Popen(
+        [str(mlflow), "server", "--backend-store-uri", f"sqlite:///{store / 'mlflow.sqlite'}", "--serve-artifacts",
+         "--artifacts-destination", str(store / "mlflow-artifacts"), "--host", "127.0.0.1", "--port", str(port),
+         "--allowed-hosts", "*", "--workers", "1"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def wait_for(url: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(url, timeout=5).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=200, help="calls per operation and target (uploads: / 10)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        hub = Hub(Path(tmp) / "gpupool", POLICY, SELF)
+        plain = None
+        try:
+            hub.start()
+            hub.wait_service("mlflow", "health")
+            hub.add_user("bench", "vision")
+            token = hub.api("POST", "/users/bench/tokens", json={"note": "bench"}).json()["token"]
+            port = free_port_block(1)
+            plain = plain_server(hub.state, port, (Path(tmp) / "plain.log").open("a"))
+            wait_for(f"http://127.0.0.1:{port}/health")
+            targets = [Target("plain mlflow server", f"http://127.0.0.1:{port}", None),
+                       Target("gpupool", f"http://127.0.0.1:{hub.port + 4}/services/mlflow", token),
+                       Target("gpupool via hub", f"{hub.url}/services/mlflow", token)]
+            gpupool = targets[1]
+            experiment_id = gpupool.call("POST", API + "experiments/create",
+                                         json={"name": "vision/bench"}).json()["experiment_id"]
+            for t in targets:
+                run = t.call("POST", API + "runs/create", json={"experiment_id": experiment_id}).json()["run"]
+                t.run_id = run["info"]["run_id"]
+                t.artifacts = run["info"]["artifact_uri"].removeprefix("mlflow-artifacts:/")
+            ops = operations(experiment_id)
+            times = {(op, t.name): [] for op in ops for t in targets}
+            for op, (do, divisor) in ops.items():
+                for t in targets:  # warm-up: imports, caches, connections
+                    do(t)
+                for i in range(max(3, args.calls // divisor)):
+                    for t in targets[i % 3:] + targets[:i % 3]:  # who goes first rotates
+                        start = time.perf_counter()
+                        do(t)
+                        times[op, t.name].append((time.perf_counter() - start) * 1000)
+        finally:
+            if plain is not None:
+                plain.terminate()
+                plain.wait(60)
+            hub.stop()
+    names = [t.name for t in targets]
+    print(f"{'operation':<16}{'calls':>6}" + "".join(f"{n + ' ms':>24}" for n in names)
+          + f"{'gpupool / plain':>17}{'via hub / plain':>17}")
+    worst = 0.0
+    for op in ops:
+        medians = [statistics.median(times[op, n]) for n in names]
+        ratios = [medians[1] / medians[0], medians[2] / medians[0]]
+        worst = max(worst, *ratios)
+        print(f"{op:<16}{len(times[op, names[0]]):>6}" + "".join(f"{m:>24.2f}" for m in medians)
+              + "".join(f"{r:>17.3f}" for r in ratios))
+    print(f"worst ratio to a plain mlflow server: {worst:.3f} (target ≤ 1.2)")
+
+
+if __name__ == "__main__":
+    main()
