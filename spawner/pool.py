@@ -503,9 +503,10 @@ def admit_in_order(
     placed = False
     outcomes: list[Outcome] = []
     reasons: dict[tuple[int, str, Fraction], str] = {}  # a long queue asks the same question many times
+    version = 0  # of the holdings: a placement changes them
 
     def full(request: Request) -> str:
-        asked = (id(holdings), request.model, request.share)
+        asked = (version, request.model, request.share)
         if asked not in reasons:
             reasons[asked] = capacity_reason(request, holdings, capacity(request.model))
         return reasons[asked]
@@ -530,6 +531,7 @@ def admit_in_order(
             outcomes.append(Outcome(request.key, "wait", full(request)))
             continue
         holdings = holding_more(holdings, allocation)
+        version += 1
         placed = True
         outcomes.append(Outcome(request.key, "place", allocation=allocation))
     done = {o.key for o in outcomes if o.action != "wait"}
