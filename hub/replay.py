@@ -9,9 +9,12 @@ per node when the cluster has nodes. Nothing sleeps and nothing is started: a mo
 
 from __future__ import annotations
 
+import argparse
 import csv
 import heapq
+import json
 import math
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -21,6 +24,7 @@ from pathlib import Path
 from gpupool.hub.accounting import admission
 from gpupool.hub.accounting.admission import DIRECT_PROFILE, LOWEST_PRIORITY, AdmissionRequest, Holdings, Usage
 from gpupool.hub.accounting.periods import period_of
+from gpupool.policies import PolicyError, load_policy
 from gpupool.policies.model import Policy
 from gpupool.spawner.pool import Allocation, Card, Request, Verdict, admit_in_order, holding_more, place
 
@@ -408,7 +412,7 @@ def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Ca
             if outcome.action == "wait":
                 continue
             done = results[outcome.key]
-            del pending[outcome.key]
+            arrived = pending.pop(outcome.key)[1]
             if outcome.action == "deny":
                 done.denied = outcome.reason
                 continue
@@ -419,7 +423,7 @@ def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Ca
             placed_order.append(outcome.key)
             held_gpus += float(placed.share)
             meter.started(placed.team, float(placed.share), now)
-            heapq.heappush(heap, (now + placed.duration, 0, seq, outcome.key))
+            heapq.heappush(heap, (now + placed.duration, 0, arrived, outcome.key))
     return Replay(results, placed_order, {m: cluster.capacity(m) for m in cluster.by_model}, start, now, events,
                   unknown, timeline)
 
@@ -466,6 +470,7 @@ def summary(run: Replay) -> dict:
         "capacity": dict(run.capacity),
         "days": round(span / SECONDS_PER_DAY, 2),
         "events": run.events,
+        "not_in_policies": run.unknown_team,
         "overall": block(list(run.results.values())),
         "teams": {team: block(rs) for team, rs in sorted(teams.items())},
     }
@@ -502,5 +507,90 @@ def table(summaries: dict[str, dict]) -> str:
     lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
              for r in rows]
     heads = [f"{name}: {', '.join(f'{n} {m}' for m, n in s['capacity'].items())}, {s['days']} days, "
-             f"{s['events']} events" for name, s in summaries.items()]
+             f"{s['events']} events"
+             + (f", {s['not_in_policies']} jobs of teams the policies do not name (counted as denied)"
+                if s["not_in_policies"] else "")
+             for name, s in summaries.items()]
     return "\n".join(heads + [""] + lines)
+
+
+# --- the command ----------------------------------------------------------------------------------------
+
+PHILLY_HEADER = ["timestamp", "duration", "num_gpus", "gpu_time", "cluster"]
+
+
+def read_workload(path: str | Path, limit: int | None = None) -> Workload:
+    """The workload at `path`, by its header; ValueError naming the formats accepted."""
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), [])
+    if header == PHILLY_HEADER:
+        return read_philly(path, limit=limit)
+    raise ValueError(f"{path}: not a workload this replay reads (its header is {','.join(header)!r}); accepted: "
+                     f"a Philly trace ({','.join(PHILLY_HEADER)})")
+
+
+def _capacity(text: str) -> tuple[str, int]:
+    model, _, count = text.partition("=")
+    if not model or not count.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give MODEL=N, e.g. H200=16")
+    return model, int(count)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("workload", help="a workload CSV: a Philly trace (philly.csv)")
+    parser.add_argument("--policies", help="policy directory to replay under")
+    parser.add_argument("--against", help="a second policy directory, replayed beside the first")
+    parser.add_argument("--capacity", type=_capacity, action="append", default=[], metavar="MODEL=N",
+                        help="cards of a model instead of the policies' inventory (repeatable)")
+    parser.add_argument("--node-cards", type=int, metavar="N",
+                        help="cards per node: multi-card jobs need theirs on one node, or are gang-placed "
+                             "across nodes when larger than one (default: one node, the embedded pool)")
+    parser.add_argument("--limit", type=int, metavar="N", help="only the first N jobs of the workload")
+    parser.add_argument("--format", default="table", choices=["table", "json"])
+    parser.add_argument("--write-philly-policies", metavar="DIR",
+                        help="write DIR/pooled and DIR/dedicated, the Philly cluster as policies, and stop")
+    parser.add_argument("--philly-vcs", metavar="CSV",
+                        help="philly_vc.csv (default: beside the workload)")
+
+
+def _write_policy(policy: Policy, folder: Path) -> None:
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    data = policy.model_dump(mode="json", exclude_defaults=True)
+    (folder / "policy.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        if args.write_philly_policies:
+            vcs = read_philly_vcs(args.philly_vcs or Path(args.workload).with_name("philly_vc.csv"))
+            for name, dedicated in (("pooled", False), ("dedicated", True)):
+                _write_policy(philly_policy(vcs, dedicated=dedicated), Path(args.write_philly_policies) / name)
+            print(f"wrote {args.write_philly_policies}/pooled and {args.write_philly_policies}/dedicated")
+            return 0
+        if not args.policies:
+            print("gpupool replay: give --policies DIR (or --write-philly-policies DIR)", file=sys.stderr)
+            return 2
+        sets = [args.policies] + ([args.against] if args.against else [])
+        policies = {}
+        for name in sets:
+            try:
+                policies[name] = load_policy(name)
+            except PolicyError as error:
+                print(error.report(name, "nothing was replayed"), file=sys.stderr)
+                return 2
+        capacity = dict(args.capacity)
+        cards = {name: pool_cards(policy, capacity) for name, policy in policies.items()}
+        work = read_workload(args.workload, args.limit)
+    except (OSError, ValueError) as error:
+        print(f"gpupool replay: {error}", file=sys.stderr)
+        return 2
+    summaries = {}
+    for name, policy in policies.items():
+        summaries[name] = summary(replay(work, policy, cards=cards[name], node_cards=args.node_cards))
+    if args.format == "json":
+        print(json.dumps(summaries, indent=2))
+    else:
+        print(table(summaries))
+    return 0
