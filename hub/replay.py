@@ -514,6 +514,108 @@ def table(summaries: dict[str, dict]) -> str:
     return "\n".join(heads + [""] + lines)
 
 
+# --- capacity planning --------------------------------------------------------------------------------
+
+
+def _serves(run: Replay, target: float) -> bool:
+    """Every team's p95 wait within `target`, and nothing refused for want of cards."""
+    s = summary(run)
+    refused = sum(1 for r in run.results.values() if r.denied.endswith("card(s)"))
+    return not refused and all(block["wait_p95_s"] <= target for block in s["teams"].values())
+
+
+def _smallest(work: Workload, policy: Policy, model: str, target: float, unit: int, most: int,
+              node_cards: int | None) -> tuple[int, Replay] | None:
+    """The fewest cards (a multiple of `unit`, at most `most`) that serve `work`: a bisection, since more cards
+    never make a wait longer in these workloads (the check at the answer is a replay, not an assumption)."""
+    others = {m: c for m, c in _counts(policy).items() if m != model}
+
+    def run(units: int) -> Replay:
+        return replay(work, policy, cards=pool_cards(policy, {**others, model: units * unit}), node_cards=node_cards)
+
+    need = max((math.ceil(j.share) for j in work.jobs if j.model == model), default=1)
+    low, high = max(1, math.ceil(need / unit)), max(1, most // unit)
+    best = run(high)
+    if not _serves(best, target):
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        attempt = run(middle)
+        if _serves(attempt, target):
+            high, best = middle, attempt
+        else:
+            low = middle + 1
+    return high * unit, best
+
+
+def _counts(policy: Policy) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for declared in policy.inventory:
+        counts[declared.model] = counts.get(declared.model, 0) + declared.count
+    return counts
+
+
+def find_capacity(work: Workload, policy: Policy, model: str, target: float, *, node_cards: int | None = None,
+                  most: int | None = None) -> dict:
+    """The smallest pool of `model` cards serving every team within a p95 wait of `target` seconds, pooled
+    (the policies as they are) and dedicated (each team alone on cards of its own, no borrowing).
+
+    Sizes are whole nodes when the cluster has nodes. `most` bounds the search (default: 4 × the inventory).
+    """
+    unit = node_cards or 1
+    most = most or 4 * max(_counts(policy).get(model, 0), unit)
+    begin = min((j.arrival for j in work.jobs), default=0.0)
+    found = _smallest(work, policy, model, target, unit, most, node_cards)
+    pooled = None
+    if found:
+        cards, run = found
+        pooled = {"cards": cards, "utilisation": summary(run)["overall"]["utilisation"],
+                  "wait_p95_s": summary(run)["overall"]["wait_p95_s"]}
+    teams, hours, end, unserved = {}, 0.0, begin, []
+    for team in sorted({j.team for j in work.jobs if j.team in policy.teams and j.model == model}):
+        own = Workload([j for j in work.jobs if j.team == team], work.start, work.source)
+        found = _smallest(own, policy, model, target, unit, most, node_cards)
+        if found is None:
+            unserved.append(team)
+            continue
+        cards, run = found
+        s = summary(run)
+        teams[team] = {"cards": cards, "wait_p95_s": s["overall"]["wait_p95_s"],
+                       "utilisation": round(s["overall"]["gpu_hours"] / (cards * max(run.end - begin, 1) / 3600), 4)}
+        hours += s["overall"]["gpu_hours"]
+        end = max(end, run.end)
+    total = sum(t["cards"] for t in teams.values())
+    dedicated = {"cards": total, "teams": teams, "unserved": unserved,
+                 "utilisation": round(hours / (total * max(end - begin, 1) / 3600), 4) if total else 0.0}
+    return {"model": model, "wait_p95_target_s": target, "pooled": pooled, "dedicated": dedicated}
+
+
+def capacity_table(found: dict) -> str:
+    model, target = found["model"], _duration(found["wait_p95_target_s"])
+    lines = [f"smallest pool of {model} with every team's p95 queue wait within {target}:"]
+    pooled = found["pooled"]
+    lines.append(f"  pooled:    {pooled['cards']} {model}, utilisation {pooled['utilisation'] * 100:.1f}%, "
+                 f"p95 wait {_duration(pooled['wait_p95_s'])}" if pooled else "  pooled:    not within the search")
+    d = found["dedicated"]
+    lines.append(f"  dedicated: {d['cards']} {model}, utilisation {d['utilisation'] * 100:.1f}%"
+                 + (f" (not served within the search: {', '.join(d['unserved'])})" if d["unserved"] else ""))
+    for team, t in d["teams"].items():
+        lines.append(f"    {team}: {t['cards']}, utilisation {t['utilisation'] * 100:.1f}%, "
+                     f"p95 wait {_duration(t['wait_p95_s'])}")
+    return "\n".join(lines)
+
+
+def parse_duration(text: str) -> float:
+    """`10m`, `90s`, `2h` or seconds, for `--wait-p95`."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        if text and text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a duration such as 10m, 90s, 2h or seconds") from None
+
+
 # --- the command ----------------------------------------------------------------------------------------
 
 PHILLY_HEADER = ["timestamp", "duration", "num_gpus", "gpu_time", "cluster"]
@@ -547,6 +649,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "across nodes when larger than one (default: one node, the embedded pool)")
     parser.add_argument("--limit", type=int, metavar="N", help="only the first N jobs of the workload")
     parser.add_argument("--format", default="table", choices=["table", "json"])
+    parser.add_argument("--find-capacity", metavar="MODEL",
+                        help="find the fewest MODEL cards serving every team within --wait-p95, pooled and dedicated")
+    parser.add_argument("--wait-p95", type=parse_duration, default=600.0, metavar="DURATION",
+                        help="the p95 queue wait target of --find-capacity (default: 10m)")
     parser.add_argument("--write-philly-policies", metavar="DIR",
                         help="write DIR/pooled and DIR/dedicated, the Philly cluster as policies, and stop")
     parser.add_argument("--philly-vcs", metavar="CSV",
@@ -586,6 +692,20 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as error:
         print(f"gpupool replay: {error}", file=sys.stderr)
         return 2
+    if args.find_capacity:
+        results = {}
+        for name, policy in policies.items():
+            if args.find_capacity not in policy.models:
+                print(f"gpupool replay: --find-capacity names model {args.find_capacity!r}, which {name} does "
+                      f"not define (known: {', '.join(policy.models) or 'none'})", file=sys.stderr)
+                return 2
+            results[name] = find_capacity(work, policy, args.find_capacity, args.wait_p95,
+                                          node_cards=args.node_cards)
+        if args.format == "json":
+            print(json.dumps(results, indent=2))
+        else:
+            print("\n\n".join(f"{name}: {capacity_table(found)}" for name, found in results.items()))
+        return 0
     summaries = {}
     for name, policy in policies.items():
         summaries[name] = summary(replay(work, policy, cards=cards[name], node_cards=args.node_cards))

@@ -180,3 +180,16 @@ def test_the_cli_from_another_folder(tmp_path):
         [sys.executable, "-m", "gpupool.hub.cli", "replay", str(PHILLY), "--policies", str(pooled),
          "--capacity", "H100=4"], capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "H100" in bad.stderr and "P100" in bad.stderr
+
+
+def test_find_capacity_pooled_needs_fewer_cards_than_dedicated():
+    # Two teams whose busy hours do not overlap: pooled, they share one set of cards.
+    jobs = [R.Job(f"a{i}", "a", "vision", "H200", Fraction(1), 600.0 * i, 3000.0) for i in range(6)]
+    jobs += [R.Job(f"b{i}", "b", "audio", "H200", Fraction(1), 86400.0 + 600.0 * i, 3000.0) for i in range(6)]
+    policy = Policy.model_validate({**POLICY.model_dump(), "teams": {"vision": {}, "audio": {}}})
+    found = R.find_capacity(R.Workload(jobs, START), policy, "H200", 0.0)
+    assert found["pooled"]["cards"] == 5  # jobs 0..4 of a team overlap; the sixth starts as the first ends
+    assert found["dedicated"]["cards"] == 10
+    assert {t: v["cards"] for t, v in found["dedicated"]["teams"].items()} == {"vision": 5, "audio": 5}
+    assert found["pooled"]["utilisation"] > found["dedicated"]["utilisation"]
+    assert "pooled:    5 H200" in R.capacity_table(found)
