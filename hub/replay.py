@@ -348,11 +348,17 @@ class Replay:
     events: int
     unknown_team: int = 0
     timeline: list[tuple[float, float, int]] = field(default_factory=list)  # (t, GPUs held, queue length)
+    aborted: bool = False  # stopped early: a team's p95 wait was sure to exceed `give_up_over`
 
 
 def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Card] | None = None,
-           node_cards: int | None = None, timeline_points: int = 0) -> Replay:
-    """Replay `workload` through the platform's admission, queue and placement on a virtual clock."""
+           node_cards: int | None = None, timeline_points: int = 0, give_up_over: float | None = None) -> Replay:
+    """Replay `workload` through the platform's admission, queue and placement on a virtual clock.
+
+    `give_up_over`: stop (`aborted`) as soon as some team's p95 queue wait must exceed this many seconds:
+    more of its jobs have started later than that than 5% allow. Capacity searches use it, because an
+    undersized pool's queue grows without end and each event then costs a pass over all of it.
+    """
     if isinstance(workload, Workload):
         jobs, start = workload.jobs, workload.start
     else:
@@ -364,6 +370,13 @@ def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Ca
     requests: dict[str, tuple[Request, int]] = {}
     heap: list[tuple[float, int, int, str]] = []  # (time, 0 = release before 1 = arrival, seq, key)
     unknown = 0
+    late: dict[str, int] = {}
+    allowed: dict[str, int] = {}
+    for job in jobs:
+        allowed[job.team] = allowed.get(job.team, 0) + 1
+    # Nearest-rank p95 of n waits is the ceil(0.95 n)-th smallest: the rest may be longer.
+    allowed = {team: n - math.ceil(0.95 * n) for team, n in allowed.items()}
+    aborted = False
     for seq, job in enumerate(jobs):
         if job.team not in policy.teams:
             results[job.key].denied = f"unknown team {job.team!r}"
@@ -418,14 +431,19 @@ def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Ca
                 continue
             placed = done.job
             done.started, done.cards = now, outcome.allocation.cards
+            if give_up_over is not None and now - placed.arrival > give_up_over:
+                late[placed.team] = late.get(placed.team, 0) + 1
+                aborted = aborted or late[placed.team] > allowed[placed.team]
             done.deprioritized = decide.last[outcome.key].priority == LOWEST_PRIORITY
             holdings = holding_more(holdings, outcome.allocation)
             placed_order.append(outcome.key)
             held_gpus += float(placed.share)
             meter.started(placed.team, float(placed.share), now)
             heapq.heappush(heap, (now + placed.duration, 0, arrived, outcome.key))
+        if aborted:
+            break
     return Replay(results, placed_order, {m: cluster.capacity(m) for m in cluster.by_model}, start, now, events,
-                  unknown, timeline)
+                  unknown, timeline, aborted)
 
 
 # --- results ------------------------------------------------------------------------------------------
@@ -519,6 +537,8 @@ def table(summaries: dict[str, dict]) -> str:
 
 def _serves(run: Replay, target: float) -> bool:
     """Every team's p95 wait within `target`, and nothing refused for want of cards."""
+    if run.aborted:
+        return False
     s = summary(run)
     refused = sum(1 for r in run.results.values() if r.denied.endswith("card(s)"))
     return not refused and all(block["wait_p95_s"] <= target for block in s["teams"].values())
@@ -531,7 +551,8 @@ def _smallest(work: Workload, policy: Policy, model: str, target: float, unit: i
     others = {m: c for m, c in _counts(policy).items() if m != model}
 
     def run(units: int) -> Replay:
-        return replay(work, policy, cards=pool_cards(policy, {**others, model: units * unit}), node_cards=node_cards)
+        return replay(work, policy, cards=pool_cards(policy, {**others, model: units * unit}), node_cards=node_cards,
+                      give_up_over=target)
 
     need = max((math.ceil(j.share) for j in work.jobs if j.model == model), default=1)
     low, high = max(1, math.ceil(need / unit)), max(1, most // unit)

@@ -193,3 +193,13 @@ def test_find_capacity_pooled_needs_fewer_cards_than_dedicated():
     assert {t: v["cards"] for t, v in found["dedicated"]["teams"].items()} == {"vision": 5, "audio": 5}
     assert found["pooled"]["utilisation"] > found["dedicated"]["utilisation"]
     assert "pooled:    5 H200" in R.capacity_table(found)
+
+
+def test_a_replay_gives_up_once_a_team_is_sure_to_miss_its_wait_target():
+    jobs = [R.Job(f"a{i}", "a", "vision", "H200", Fraction(1), 0.0, 3600.0) for i in range(40)]
+    full = R.replay(R.Workload(jobs, START), POLICY.model_copy(update={"teams": {"vision": POLICY.teams["audio"]}}))
+    assert not full.aborted and full.results["a39"].started == 13 * 3600.0
+    short = R.replay(R.Workload(jobs, START), POLICY.model_copy(update={"teams": {"vision": POLICY.teams["audio"]}}),
+                     give_up_over=600.0)
+    # 40 jobs allow 2 waits above p95; three cards start the 4th to 6th jobs an hour late: the 3rd late one stops it.
+    assert short.aborted and short.results["a5"].started == 3600.0 and short.results["a6"].started is None
