@@ -146,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     render = commands.add_parser("render", help="print the Kubernetes objects gpupool owns, made from policies")
     render_command.add_arguments(render)
     render.set_defaults(func=render_command.main)
+
+    from gpupool.hub import replay as replay_command  # argparse only at import, like render
+
+    replay = commands.add_parser("replay", help="replay a workload through the policies on a virtual clock")
+    replay_command.add_arguments(replay)
+    replay.set_defaults(func=replay_command.main)
     return parser
 
 

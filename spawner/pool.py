@@ -523,11 +523,6 @@ class LocalPool:
     def ticket(self, key: str) -> Ticket | None:
         return self.waiting.get(key)
 
-    def _order(self, ticket: Ticket, verdicts: dict[str, Verdict]) -> tuple[int, int]:
-        verdict = verdicts.get(ticket.request.key)
-        priority = verdict.priority if verdict and verdict.priority is not None else ticket.request.priority
-        return (-priority, ticket.seq)
-
     def schedule(self) -> None:
         """Admit and place what can start, in order of priority then arrival; update everyone's position."""
         pending = [t for t in self.waiting.values() if not t.future.done()]
@@ -541,39 +536,27 @@ class LocalPool:
                 QUEUE_LENGTH.labels(team).set(waiting.count(team))
 
     def _schedule(self, pending: list[Ticket]) -> None:
-        allocations = self.store.all()
-        # Verdicts first, because a deprioritized request queues behind everyone else.
-        verdicts = {t.request.key: self.decide(t.request, Holdings.of(allocations)) for t in pending}
-        blocked_models: set[str] = set()
-        placed = False
-        for ticket in sorted(pending, key=lambda t: self._order(t, verdicts)):
-            request = ticket.request
-            if placed:  # holdings changed since the first pass: decide again
-                verdicts[request.key] = self.decide(request, Holdings.of(allocations))
-            verdict = verdicts[request.key]
-            if verdict.action == "deny":
-                ticket.future.set_exception(Denied(verdict.reason))
-                continue
-            if verdict.action == "wait":
-                ticket.reason = verdict.reason
-                continue
-            if request.model in blocked_models:
-                ticket.reason = self._capacity_reason(request, allocations)
-                continue
-            if any(q.seq < ticket.seq for q in self.restoring.values()):
-                ticket.reason = "requests queued before the hub restarted come first"
-                continue
-            allocation = self.store.reserve(request, self.cards)
-            if allocation is None:
-                # An earlier request that does not fit keeps later ones of the same model from overtaking it.
-                blocked_models.add(request.model)
-                ticket.reason = self._capacity_reason(request, allocations)
-                continue
-            allocations.append(allocation)
-            placed = True
-            QUEUE_WAIT.labels(request.team).observe(time.monotonic() - ticket.arrived)
-            ticket.future.set_result(allocation)
-        still = sorted((t for t in pending if not t.future.done()), key=lambda t: self._order(t, verdicts))
+        # Requests queued before the hub restarted, and not yet back, come first: later ones wait for them.
+        first_restoring = min((q.seq for q in self.restoring.values()), default=None)
+        held_back = [t for t in pending if first_restoring is not None and t.seq > first_restoring]
+        for ticket in held_back:
+            ticket.reason = "requests queued before the hub restarted come first"
+        pending = [t for t in pending if t not in held_back]
+        by_key = {t.request.key: t for t in pending}
+        outcomes, still_keys = admit_in_order(
+            [(t.request, t.seq) for t in pending], Holdings.of(self.store.all()), self.decide,
+            lambda request: self.store.reserve(request, self.cards), self.capacity,
+        )
+        for outcome in outcomes:
+            ticket = by_key[outcome.key]
+            if outcome.action == "deny":
+                ticket.future.set_exception(Denied(outcome.reason))
+            elif outcome.action == "wait":
+                ticket.reason = outcome.reason
+            else:
+                QUEUE_WAIT.labels(ticket.request.team).observe(time.monotonic() - ticket.arrived)
+                ticket.future.set_result(outcome.allocation)
+        still = [by_key[key] for key in still_keys] + held_back
         queue_lengths = Counter(t.request.team for t in still)
         positions: Counter[str] = Counter()
         for ticket in still:
@@ -583,7 +566,94 @@ class LocalPool:
                 ticket.last_message = ticket.message()
                 ticket.changed.set()
 
-    def _capacity_reason(self, request: Request, allocations: list[Allocation]) -> str:
-        held = sum((a.share for a in allocations if a.model == request.model), Fraction(0))
-        return (f"no {request.model} has {format_share(request.share)} free: "
-                f"{format_share(held)} of {self.capacity(request.model)} allocated")
+
+# --- the queue's pass (pure) -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one pass of the queue did with one waiting request."""
+
+    key: str
+    action: Literal["place", "wait", "deny"]
+    reason: str = ""
+    allocation: Allocation | None = None
+
+
+def queue_order(request: Request, seq: int, verdict: Verdict | None) -> tuple[int, int]:
+    """Priority first (a verdict's priority overrides the request's), then arrival."""
+    priority = verdict.priority if verdict and verdict.priority is not None else request.priority
+    return (-priority, seq)
+
+
+def capacity_reason(request: Request, holdings: Holdings, capacity: int) -> str:
+    held = sum((s for (_, model), s in holdings.team_model.items() if model == request.model), Fraction(0))
+    return (f"no {request.model} has {format_share(request.share)} free: "
+            f"{format_share(held)} of {capacity} allocated")
+
+
+def holding_more(holdings: Holdings, allocation: Allocation) -> Holdings:
+    """`holdings` and `allocation` (what `Holdings.of` would give for both, without recounting the rest)."""
+    a, share = allocation, allocation.share
+    team, team_model, team_user = dict(holdings.team), dict(holdings.team_model), dict(holdings.team_user)
+    team[a.team] = team.get(a.team, Fraction(0)) + share
+    team_model[a.team, a.model] = team_model.get((a.team, a.model), Fraction(0)) + share
+    team_user[a.team, a.user] = team_user.get((a.team, a.user), Fraction(0)) + share
+    return Holdings(team, team_model, team_user)
+
+
+def admit_in_order(
+    pending: list[tuple[Request, int]],
+    holdings: Holdings,
+    decide: Decide,
+    reserve: Callable[[Request], Allocation | None],
+    capacity: Callable[[str], int],
+) -> tuple[list[Outcome], list[str]]:
+    """One pass of the queue: admit and place what can start, in order of priority then arrival.
+
+    `pending` are the waiting requests with their arrival numbers, `holdings` what is held now, and
+    `reserve` places a request (None when it does not fit). The pool calls this with its allocation store;
+    `gpupool replay` with an in-memory one, so that both make the same decisions. Returns what happened to
+    each request, and the keys still waiting in queue order.
+    """
+    # Verdicts first, because a deprioritized request queues behind everyone else.
+    verdicts = {request.key: decide(request, holdings) for request, _ in pending}
+    blocked_models: set[str] = set()
+    placed = False
+    outcomes: list[Outcome] = []
+    reasons: dict[tuple[int, str, Fraction], str] = {}  # a long queue asks the same question many times
+    version = 0  # of the holdings: a placement changes them
+
+    def full(request: Request) -> str:
+        asked = (version, request.model, request.share)
+        if asked not in reasons:
+            reasons[asked] = capacity_reason(request, holdings, capacity(request.model))
+        return reasons[asked]
+
+    for request, seq in sorted(pending, key=lambda p: queue_order(p[0], p[1], verdicts[p[0].key])):
+        if placed:  # holdings changed since the first pass: decide again
+            verdicts[request.key] = decide(request, holdings)
+        verdict = verdicts[request.key]
+        if verdict.action == "deny":
+            outcomes.append(Outcome(request.key, "deny", verdict.reason))
+            continue
+        if verdict.action == "wait":
+            outcomes.append(Outcome(request.key, "wait", verdict.reason))
+            continue
+        if request.model in blocked_models:
+            outcomes.append(Outcome(request.key, "wait", full(request)))
+            continue
+        allocation = reserve(request)
+        if allocation is None:
+            # An earlier request that does not fit keeps later ones of the same model from overtaking it.
+            blocked_models.add(request.model)
+            outcomes.append(Outcome(request.key, "wait", full(request)))
+            continue
+        holdings = holding_more(holdings, allocation)
+        version += 1
+        placed = True
+        outcomes.append(Outcome(request.key, "place", allocation=allocation))
+    done = {o.key for o in outcomes if o.action != "wait"}
+    still = sorted((p for p in pending if p[0].key not in done),
+                   key=lambda p: queue_order(p[0], p[1], verdicts[p[0].key]))
+    return outcomes, [request.key for request, _ in still]

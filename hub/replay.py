@@ -1,0 +1,737 @@
+"""`gpupool replay`: a workload replayed on a virtual clock through the platform's own admission, queue and placement.
+
+The simulator owns only the clock, the event heap and the trace readers. Every decision is the platform's:
+`admission.decide` (quotas wait, budgets follow `on_exhausted`, priorities), the embedded pool's queue pass
+(`spawner.pool.admit_in_order`: priority then arrival, a waiting request is not overtaken by smaller ones of
+its model) and its placement (`spawner.pool.place`: best fit for fractions, free cards for whole ones), run
+per node when the cluster has nodes. Nothing sleeps and nothing is started: a month of work replays in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import heapq
+import json
+import math
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from fractions import Fraction
+from pathlib import Path
+
+from gpupool.hub.accounting import admission
+from gpupool.hub.accounting.admission import DIRECT_PROFILE, LOWEST_PRIORITY, AdmissionRequest, Holdings, Usage
+from gpupool.hub.accounting.periods import period_of
+from gpupool.policies import PolicyError, load_policy
+from gpupool.policies.model import Policy
+from gpupool.spawner.pool import Allocation, Card, Request, Verdict, admit_in_order, holding_more, place
+
+SECONDS_PER_DAY = 86400.0
+
+
+# --- the workload ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request of the workload: who, what share of which model, when it arrives and how long it runs."""
+
+    key: str
+    user: str
+    team: str
+    model: str
+    share: Fraction
+    arrival: float  # seconds after the workload's start
+    duration: float  # seconds it runs once placed
+    profile: str | None = None  # a policy profile; None asks for the model and share directly (jobs)
+
+
+@dataclass(frozen=True)
+class Workload:
+    jobs: list[Job]
+    start: datetime  # the wall-clock time of arrival 0 (selects budget periods)
+    source: str = ""
+    skipped: int = 0  # rows that could not become jobs (said in the results)
+
+
+def read_philly(path: str | Path, model: str = "P100", limit: int | None = None) -> Workload:
+    """Microsoft Philly (`philly.csv`: timestamp, duration, num_gpus, gpu_time, cluster = virtual cluster).
+
+    Each virtual cluster is a team; the trace names no users, so the team is also the user.
+    """
+    rows = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            rows.append((datetime.fromisoformat(row["timestamp"]).replace(tzinfo=timezone.utc),
+                         float(row["duration"]), int(row["num_gpus"]), row["cluster"]))
+    rows.sort(key=lambda r: r[0])
+    if limit is not None:
+        rows = rows[:limit]
+    start = rows[0][0] if rows else datetime(1970, 1, 1, tzinfo=timezone.utc)
+    jobs, skipped = [], 0
+    for n, (at, duration, gpus, vc) in enumerate(rows):
+        if gpus <= 0:
+            skipped += 1
+            continue
+        jobs.append(Job(f"philly-{n}", vc, vc, model, Fraction(gpus), (at - start).total_seconds(), duration))
+    return Workload(jobs, start, f"philly {path}", skipped)
+
+
+def read_philly_vcs(path: str | Path) -> dict[str, int]:
+    """`philly_vc.csv`: each virtual cluster's nodes (8 GPUs each)."""
+    with open(path, newline="") as f:
+        return {row["vc"]: int(row["node num"]) for row in csv.DictReader(f)}
+
+
+def philly_policy(vcs: dict[str, int], *, dedicated: bool, model: str = "P100", node_cards: int = 8) -> Policy:
+    """The Philly cluster as a policy: one team per virtual cluster, the total as the inventory.
+
+    `dedicated`: each team may hold only its former cluster's GPUs (quota = nodes × 8, no borrowing).
+    Pooled: no quota; what a team deserves (its former size) is its Volcano queue's `deserved`, and idle
+    cards are borrowed by whoever waits.
+    """
+    teams = {}
+    for vc, nodes in vcs.items():
+        size = nodes * node_cards
+        team: dict = {"queue": {"deserved": {"nvidia.com/gpu": str(size)}}}
+        if dedicated:
+            team["quota"] = {"gpus": size}
+        teams[vc] = team
+    return Policy.model_validate({
+        "models": {model: {"vendor": "nvidia", "memory_gib": 16, "backends": ["whole"]}},
+        # One entry per former cluster (an entry holds at most 1024 cards); pooled, they are one pool.
+        "inventory": [{"model": model, "count": nodes * node_cards} for nodes in vcs.values()],
+        "teams": teams,
+    })
+
+
+# --- the cluster: cards on nodes --------------------------------------------------------------------
+
+
+def pool_cards(policy: Policy, capacity: dict[str, int] | None = None) -> list[Card]:
+    """The policy's inventory as cards, or `capacity` cards of each model named there (`--capacity H200=16`)."""
+    counts: dict[str, int] = {}
+    for declared in policy.inventory:
+        counts[declared.model] = counts.get(declared.model, 0) + declared.count
+    for model, count in (capacity or {}).items():
+        if model not in policy.models:
+            raise ValueError(f"--capacity names model {model!r}, which the policies do not define "
+                             f"(known: {', '.join(policy.models) or 'none'})")
+        counts[model] = count
+    cards = []
+    for model, count in counts.items():
+        memory = policy.models[model].memory_gib
+        cards.extend(Card(f"GPU-replay-{model}-{i}", model, len(cards), memory) for i in range(count))
+    return cards
+
+
+class Cluster:
+    """Cards grouped into nodes, and what each card holds; `reserve` is the pool's placement, per node.
+
+    A fraction goes where the pool's best fit puts it among all cards of its model. Whole cards up to a node's
+    size go on one node: the fullest node that still has enough free cards (bin packing, as Volcano's
+    binpack plugin scores), and the pool's `place` picks the cards on it; with one node this is exactly the
+    embedded pool. A job larger than a node is gang-placed, all or nothing as Volcano's gang plugin admits
+    it: on the nodes with the most free cards, so that it spans as few as possible.
+    """
+
+    def __init__(self, cards: list[Card], node_cards: int | None = None):
+        self.cards = cards
+        self.by_model: dict[str, list[Card]] = {}
+        for card in cards:
+            self.by_model.setdefault(card.model, []).append(card)
+        self.nodes: dict[str, list[list[Card]]] = {}
+        for model, model_cards in self.by_model.items():
+            size = node_cards or len(model_cards)
+            self.nodes[model] = [model_cards[i:i + size] for i in range(0, len(model_cards), size)]
+        self.node_of = {c.uuid: (c.model, n) for m, nodes in self.nodes.items() for n, node in enumerate(nodes)
+                        for c in node}
+        self.used: dict[str, Fraction] = {}
+        self.free_cards = {m: [len(node) for node in nodes] for m, nodes in self.nodes.items()}
+        self.sizes = {m: max(len(node) for node in nodes) for m, nodes in self.nodes.items()}
+        # Nodes by how many free cards they have, so that the best-fitting node is found without a scan.
+        self.by_free: dict[str, list[set[int]]] = {}
+        for m, free in self.free_cards.items():
+            self.by_free[m] = [set() for _ in range(self.sizes[m] + 1)]
+            for n, count in enumerate(free):
+                self.by_free[m][count].add(n)
+        self.held: dict[str, Allocation] = {}
+
+    def capacity(self, model: str) -> int:
+        return len(self.by_model.get(model, ()))
+
+    def node_size(self, model: str) -> int:
+        return self.sizes.get(model, 0)
+
+    def _free(self, model: str, n: int, change: int) -> None:
+        free = self.free_cards[model]
+        self.by_free[model][free[n]].discard(n)
+        free[n] += change
+        self.by_free[model][free[n]].add(n)
+
+    def reserve(self, request: Request) -> Allocation | None:
+        chosen = self._choose(request.model, request.share)
+        if chosen is None:
+            return None
+        per_card = request.share if request.share < 1 else Fraction(1)
+        for uuid in chosen:
+            before = self.used.get(uuid, Fraction(0))
+            if before == 0:
+                self._free(*self.node_of[uuid], -1)
+            self.used[uuid] = before + per_card
+        allocation = Allocation(request.key, request.user, request.team, request.profile, request.model,
+                                request.share, chosen)
+        self.held[request.key] = allocation
+        return allocation
+
+    def release(self, key: str) -> Allocation:
+        allocation = self.held.pop(key)
+        per_card = allocation.share if allocation.share < 1 else Fraction(1)
+        for uuid in allocation.cards:
+            after = self.used[uuid] - per_card
+            if after == 0:
+                del self.used[uuid]
+                self._free(*self.node_of[uuid], +1)
+            else:
+                self.used[uuid] = after
+        return allocation
+
+    def _choose(self, model: str, share: Fraction) -> tuple[str, ...] | None:
+        nodes = self.nodes.get(model)
+        if not nodes:
+            return None
+        if share < 1:
+            return place(self.by_model[model], self.used, model, share)
+        if share.denominator != 1:
+            raise ValueError(f"a share above one card must be whole cards, not {share}")
+        need, free = int(share), self.free_cards[model]
+        if need <= self.node_size(model):
+            for count in range(need, self.sizes[model] + 1):
+                if self.by_free[model][count]:
+                    return place(nodes[min(self.by_free[model][count])], self.used, model, share)
+            return None
+        if sum(free) < need:
+            return None
+        chosen: list[str] = []
+        for n in sorted(range(len(nodes)), key=lambda n: (-free[n], n)):
+            take = min(free[n], need - len(chosen))
+            if take:
+                chosen.extend(place(nodes[n], self.used, model, Fraction(take)) or ())
+            if len(chosen) == need:
+                break
+        return tuple(chosen)
+
+
+# --- admission on the virtual clock -----------------------------------------------------------------
+
+
+class Meter:
+    """GPU-hours each team has used in the current budget period, kept up to the virtual clock."""
+
+    def __init__(self, start: datetime):
+        self.start = start
+        self.period = period_of(start)
+        self.period_start = 0.0
+        self.closed: dict[str, float] = {}
+        self.rate: dict[str, float] = {}  # shares running now
+        self.anchor: dict[str, float] = {}  # sum of share × max(start, period start)
+
+    def roll(self, now: float) -> None:
+        period = period_of(self.start + timedelta(seconds=now))
+        if period != self.period:
+            begin = datetime.strptime(period, "%Y-%m").replace(tzinfo=timezone.utc)
+            self.period, self.period_start = period, (begin - self.start).total_seconds()
+            self.closed = {}
+            self.anchor = {team: rate * self.period_start for team, rate in self.rate.items()}
+
+    def started(self, team: str, share: float, now: float) -> None:
+        self.rate[team] = self.rate.get(team, 0.0) + share
+        self.anchor[team] = self.anchor.get(team, 0.0) + share * max(now, self.period_start)
+
+    def ended(self, team: str, share: float, started: float, now: float) -> None:
+        begun = max(started, self.period_start)
+        self.rate[team] -= share
+        self.anchor[team] -= share * begun
+        self.closed[team] = self.closed.get(team, 0.0) + share * (now - begun) / 3600
+
+    def usage(self, now: float) -> Usage:
+        teams = set(self.closed) | set(self.rate)
+        used = {t: Fraction(self.closed.get(t, 0.0) + (self.rate.get(t, 0.0) * now - self.anchor.get(t, 0.0)) / 3600)
+                for t in teams}
+        return Usage(self.period, used, {})
+
+
+class Admission:
+    """The pool's `Decide` on the virtual clock: `admission.decide` with the replay's own usage meter.
+
+    A long queue asks the same question many times between two changes of holdings; the answer is kept until
+    holdings or the clock change (the decision is a pure function of them).
+    """
+
+    def __init__(self, policy: Policy, meter: Meter):
+        self.policy, self.meter = policy, meter
+        self.budgets = any(t.budget.gpu_hours is not None or t.budget.per_model for t in policy.teams.values())
+        self.now = 0.0
+        self._usage: Usage | None = None
+        self._cache: dict[tuple, Verdict] = {}
+        self._holdings: Holdings | None = None
+        self.last: dict[str, Verdict] = {}  # the verdict each request was last given
+
+    def at(self, now: float) -> None:
+        if now != self.now or self._usage is None:
+            self.now = now
+            self.meter.roll(now)
+            self._usage = self.meter.usage(now) if self.budgets else Usage(self.meter.period)
+            self._cache = {}
+
+    def __call__(self, request: Request, holdings: Holdings) -> Verdict:
+        if holdings is not self._holdings:
+            self._holdings, self._cache = holdings, {}
+        asked = (request.team, request.user, request.profile, request.model, request.share)
+        verdict = self._cache.get(asked)
+        if verdict is None:
+            direct = request.profile == DIRECT_PROFILE
+            question = AdmissionRequest(
+                user=request.user, team=request.team, at=self.meter.start + timedelta(seconds=self.now),
+                profile=None if direct else request.profile,
+                model=request.model if direct else None, share=request.share if direct else None,
+            )
+            decision = admission.decide(self.policy, question, holdings, self._usage)
+            # As the embedded spawner's `admission()` turns a Decision into the pool's Verdict.
+            verdict = Verdict(decision.action, "" if decision.admitted else decision.reason, decision.priority)
+            self._cache[asked] = verdict
+        self.last[request.key] = verdict
+        return verdict
+
+
+def holding_less(holdings: Holdings, allocation: Allocation) -> Holdings:
+    """`holdings` without `allocation` (the inverse of the pool's `holding_more`)."""
+    a = allocation
+    team, team_model, team_user = dict(holdings.team), dict(holdings.team_model), dict(holdings.team_user)
+    for counts, key in ((team, a.team), (team_model, (a.team, a.model)), (team_user, (a.team, a.user))):
+        left = counts[key] - a.share
+        if left:
+            counts[key] = left
+        else:
+            del counts[key]
+    return Holdings(team, team_model, team_user)
+
+
+# --- the replay --------------------------------------------------------------------------------------
+
+
+@dataclass
+class JobResult:
+    job: Job
+    started: float | None = None
+    ended: float | None = None
+    cards: tuple[str, ...] = ()
+    denied: str = ""
+    deprioritized: bool = False
+
+    @property
+    def wait(self) -> float | None:
+        return None if self.started is None else self.started - self.job.arrival
+
+
+@dataclass
+class Replay:
+    """What happened to every job, in the order the pool placed them, and the cluster's shape."""
+
+    results: dict[str, JobResult]
+    placed_order: list[str]
+    capacity: dict[str, int]
+    start: datetime
+    end: float  # the virtual time of the last event
+    events: int
+    unknown_team: int = 0
+    timeline: list[tuple[float, float, int]] = field(default_factory=list)  # (t, GPUs held, queue length)
+    aborted: bool = False  # stopped early: a team's p95 wait was sure to exceed `give_up_over`
+
+
+def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Card] | None = None,
+           node_cards: int | None = None, timeline_points: int = 0, give_up_over: float | None = None) -> Replay:
+    """Replay `workload` through the platform's admission, queue and placement on a virtual clock.
+
+    `give_up_over`: stop (`aborted`) as soon as some team's p95 queue wait must exceed this many seconds:
+    more of its jobs have started later than that than 5% allow. Capacity searches use it, because an
+    undersized pool's queue grows without end and each event then costs a pass over all of it.
+    """
+    if isinstance(workload, Workload):
+        jobs, start = workload.jobs, workload.start
+    else:
+        jobs, start = list(workload), datetime(2026, 1, 1, tzinfo=timezone.utc)
+    cluster = Cluster(cards if cards is not None else pool_cards(policy), node_cards)
+    meter = Meter(start)
+    decide = Admission(policy, meter)
+    results = {job.key: JobResult(job) for job in jobs}
+    requests: dict[str, tuple[Request, int]] = {}
+    heap: list[tuple[float, int, int, str]] = []  # (time, 0 = release before 1 = arrival, seq, key)
+    unknown = 0
+    late: dict[str, int] = {}
+    allowed: dict[str, int] = {}
+    for job in jobs:
+        allowed[job.team] = allowed.get(job.team, 0) + 1
+    # Nearest-rank p95 of n waits is the ceil(0.95 n)-th smallest: the rest may be longer.
+    allowed = {team: n - math.ceil(0.95 * n) for team, n in allowed.items()}
+    aborted = False
+    for seq, job in enumerate(jobs):
+        if job.team not in policy.teams:
+            results[job.key].denied = f"unknown team {job.team!r}"
+            unknown += 1
+            continue
+        heap.append((job.arrival, 1, seq, job.key))
+    heapq.heapify(heap)
+    pending: dict[str, tuple[Request, int]] = {}
+    holdings = Holdings()  # what `Holdings.of` gives for the cluster's allocations, kept as they change
+    placed_order: list[str] = []
+    events, now = 0, 0.0
+    step = None
+    timeline: list[tuple[float, float, int]] = []
+    held_gpus = 0.0
+    if timeline_points and jobs:
+        span = max(j.arrival for j in jobs) - min(j.arrival for j in jobs) or 1.0
+        step, next_sample = span / timeline_points, 0.0
+    while heap:
+        now, kind, seq, key = heapq.heappop(heap)
+        events += 1
+        result = results[key]
+        job = result.job
+        if step is not None:
+            while next_sample <= now:
+                timeline.append((next_sample, held_gpus, len(pending)))
+                next_sample += step
+        if kind == 0:
+            holdings = holding_less(holdings, cluster.release(key))
+            result.ended = now
+            held_gpus -= float(job.share)
+            meter.ended(job.team, float(job.share), result.started, now)
+        else:
+            if job.share > cluster.capacity(job.model):  # as the pool refuses at once: it could never fit
+                result.denied = (f"{job.share} × {job.model} can never fit: the pool has "
+                                 f"{cluster.capacity(job.model)} {job.model} card(s)")
+                continue
+            profile = job.profile or DIRECT_PROFILE
+            request = Request(key, job.user, job.team, profile, f"{job.share} × {job.model}", job.model,
+                              job.share, policy.teams[job.team].priority)
+            pending[key] = (request, seq)
+        if not pending:
+            continue
+        decide.at(now)
+        outcomes, _ = admit_in_order(list(pending.values()), holdings, decide, cluster.reserve, cluster.capacity)
+        for outcome in outcomes:
+            if outcome.action == "wait":
+                continue
+            done = results[outcome.key]
+            arrived = pending.pop(outcome.key)[1]
+            if outcome.action == "deny":
+                done.denied = outcome.reason
+                continue
+            placed = done.job
+            done.started, done.cards = now, outcome.allocation.cards
+            if give_up_over is not None and now - placed.arrival > give_up_over:
+                late[placed.team] = late.get(placed.team, 0) + 1
+                aborted = aborted or late[placed.team] > allowed[placed.team]
+            done.deprioritized = decide.last[outcome.key].priority == LOWEST_PRIORITY
+            holdings = holding_more(holdings, outcome.allocation)
+            placed_order.append(outcome.key)
+            held_gpus += float(placed.share)
+            meter.started(placed.team, float(placed.share), now)
+            heapq.heappush(heap, (now + placed.duration, 0, arrived, outcome.key))
+        if aborted:
+            break
+    return Replay(results, placed_order, {m: cluster.capacity(m) for m in cluster.by_model}, start, now, events,
+                  unknown, timeline, aborted)
+
+
+# --- results ------------------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (0 for no values)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def summary(run: Replay) -> dict:
+    """Per team and overall: GPU-hours, utilisation, queue wait p50/p95/max, jobs per day, denied, deprioritized."""
+    capacity = sum(run.capacity.values())
+    arrivals = [r.job.arrival for r in run.results.values()]
+    begin = min(arrivals, default=0.0)
+    span = max(run.end - begin, 1.0)
+
+    def block(results: list[JobResult]) -> dict:
+        waits = [r.wait for r in results if r.wait is not None]
+        finished = [r for r in results if r.ended is not None]
+        hours = sum(float(r.job.share) * (r.ended - r.started) for r in finished) / 3600
+        return {
+            "jobs": len(results),
+            "completed": len(finished),
+            "gpu_hours": round(hours, 2),
+            "utilisation": round(hours / (capacity * span / 3600), 4) if capacity else 0.0,
+            "wait_p50_s": round(percentile(waits, 50), 1),
+            "wait_p95_s": round(percentile(waits, 95), 1),
+            "wait_max_s": round(max(waits, default=0.0), 1),
+            "completed_per_day": round(len(finished) / (span / SECONDS_PER_DAY), 2),
+            "denied": sum(1 for r in results if r.denied),
+            "deprioritized": sum(1 for r in results if r.deprioritized),
+        }
+
+    teams: dict[str, list[JobResult]] = {}
+    for r in run.results.values():
+        teams.setdefault(r.job.team, []).append(r)
+    return {
+        "capacity": dict(run.capacity),
+        "days": round(span / SECONDS_PER_DAY, 2),
+        "events": run.events,
+        "not_in_policies": run.unknown_team,
+        "overall": block(list(run.results.values())),
+        "teams": {team: block(rs) for team, rs in sorted(teams.items())},
+    }
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.0f}s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
+COLUMNS = [("jobs", "jobs"), ("completed", "done"), ("gpu_hours", "GPU-h"), ("utilisation", "util"),
+           ("wait_p50_s", "wait p50"), ("wait_p95_s", "wait p95"), ("wait_max_s", "wait max"),
+           ("completed_per_day", "done/day"), ("denied", "denied"), ("deprioritized", "deprio")]
+
+
+def _cell(key: str, value) -> str:
+    if key == "utilisation":
+        return f"{value * 100:.1f}%"
+    if key.startswith("wait"):
+        return _duration(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def table(summaries: dict[str, dict]) -> str:
+    """One table; with several policy sets, one row per team and set, the set named in the first column."""
+    rows = [["policies", "team"] + [title for _, title in COLUMNS]]
+    for name, s in summaries.items():
+        for team, block in [("(all)", s["overall"])] + list(s["teams"].items()):
+            rows.append([name, team] + [_cell(k, block[k]) for k, _ in COLUMNS])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    heads = [f"{name}: {', '.join(f'{n} {m}' for m, n in s['capacity'].items())}, {s['days']} days, "
+             f"{s['events']} events"
+             + (f", {s['not_in_policies']} jobs of teams the policies do not name (counted as denied)"
+                if s["not_in_policies"] else "")
+             for name, s in summaries.items()]
+    return "\n".join(heads + [""] + lines)
+
+
+# --- capacity planning --------------------------------------------------------------------------------
+
+
+def _serves(run: Replay, target: float) -> bool:
+    """Every team's p95 wait within `target`, and nothing refused for want of cards."""
+    if run.aborted:
+        return False
+    s = summary(run)
+    refused = sum(1 for r in run.results.values() if r.denied.endswith("card(s)"))
+    return not refused and all(block["wait_p95_s"] <= target for block in s["teams"].values())
+
+
+def _smallest(work: Workload, policy: Policy, model: str, target: float, unit: int, most: int,
+              node_cards: int | None) -> tuple[int, Replay] | None:
+    """The fewest cards (a multiple of `unit`, at most `most`) that serve `work`: a bisection, since more cards
+    never make a wait longer in these workloads (the check at the answer is a replay, not an assumption)."""
+    others = {m: c for m, c in _counts(policy).items() if m != model}
+
+    def run(units: int) -> Replay:
+        return replay(work, policy, cards=pool_cards(policy, {**others, model: units * unit}), node_cards=node_cards,
+                      give_up_over=target)
+
+    need = max((math.ceil(j.share) for j in work.jobs if j.model == model), default=1)
+    low, high = max(1, math.ceil(need / unit)), max(1, most // unit)
+    best = run(high)
+    if not _serves(best, target):
+        return None
+    while low < high:
+        middle = (low + high) // 2
+        attempt = run(middle)
+        if _serves(attempt, target):
+            high, best = middle, attempt
+        else:
+            low = middle + 1
+    return high * unit, best
+
+
+def _counts(policy: Policy) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for declared in policy.inventory:
+        counts[declared.model] = counts.get(declared.model, 0) + declared.count
+    return counts
+
+
+def find_capacity(work: Workload, policy: Policy, model: str, target: float, *, node_cards: int | None = None,
+                  most: int | None = None) -> dict:
+    """The smallest pool of `model` cards serving every team within a p95 wait of `target` seconds, pooled
+    (the policies as they are) and dedicated (each team alone on cards of its own, no borrowing).
+
+    Sizes are whole nodes when the cluster has nodes. `most` bounds the search (default: 4 × the inventory).
+    """
+    unit = node_cards or 1
+    most = most or 4 * max(_counts(policy).get(model, 0), unit)
+    begin = min((j.arrival for j in work.jobs), default=0.0)
+    found = _smallest(work, policy, model, target, unit, most, node_cards)
+    pooled = None
+    if found:
+        cards, run = found
+        pooled = {"cards": cards, "utilisation": summary(run)["overall"]["utilisation"],
+                  "wait_p95_s": summary(run)["overall"]["wait_p95_s"]}
+    teams, hours, end, unserved = {}, 0.0, begin, []
+    for team in sorted({j.team for j in work.jobs if j.team in policy.teams and j.model == model}):
+        own = Workload([j for j in work.jobs if j.team == team], work.start, work.source)
+        found = _smallest(own, policy, model, target, unit, most, node_cards)
+        if found is None:
+            unserved.append(team)
+            continue
+        cards, run = found
+        s = summary(run)
+        teams[team] = {"cards": cards, "wait_p95_s": s["overall"]["wait_p95_s"],
+                       "utilisation": round(s["overall"]["gpu_hours"] / (cards * max(run.end - begin, 1) / 3600), 4)}
+        hours += s["overall"]["gpu_hours"]
+        end = max(end, run.end)
+    total = sum(t["cards"] for t in teams.values())
+    dedicated = {"cards": total, "teams": teams, "unserved": unserved,
+                 "utilisation": round(hours / (total * max(end - begin, 1) / 3600), 4) if total else 0.0}
+    return {"model": model, "wait_p95_target_s": target, "pooled": pooled, "dedicated": dedicated}
+
+
+def capacity_table(found: dict) -> str:
+    model, target = found["model"], _duration(found["wait_p95_target_s"])
+    lines = [f"smallest pool of {model} with every team's p95 queue wait within {target}:"]
+    pooled = found["pooled"]
+    lines.append(f"  pooled:    {pooled['cards']} {model}, utilisation {pooled['utilisation'] * 100:.1f}%, "
+                 f"p95 wait {_duration(pooled['wait_p95_s'])}" if pooled else "  pooled:    not within the search")
+    d = found["dedicated"]
+    lines.append(f"  dedicated: {d['cards']} {model}, utilisation {d['utilisation'] * 100:.1f}%"
+                 + (f" (not served within the search: {', '.join(d['unserved'])})" if d["unserved"] else ""))
+    for team, t in d["teams"].items():
+        lines.append(f"    {team}: {t['cards']}, utilisation {t['utilisation'] * 100:.1f}%, "
+                     f"p95 wait {_duration(t['wait_p95_s'])}")
+    return "\n".join(lines)
+
+
+def parse_duration(text: str) -> float:
+    """`10m`, `90s`, `2h` or seconds, for `--wait-p95`."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    try:
+        if text and text[-1] in units:
+            return float(text[:-1]) * units[text[-1]]
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a duration such as 10m, 90s, 2h or seconds") from None
+
+
+# --- the command ----------------------------------------------------------------------------------------
+
+PHILLY_HEADER = ["timestamp", "duration", "num_gpus", "gpu_time", "cluster"]
+
+
+def read_workload(path: str | Path, limit: int | None = None) -> Workload:
+    """The workload at `path`, by its header; ValueError naming the formats accepted."""
+    with open(path, newline="") as f:
+        header = next(csv.reader(f), [])
+    if header == PHILLY_HEADER:
+        return read_philly(path, limit=limit)
+    raise ValueError(f"{path}: not a workload this replay reads (its header is {','.join(header)!r}); accepted: "
+                     f"a Philly trace ({','.join(PHILLY_HEADER)})")
+
+
+def _capacity(text: str) -> tuple[str, int]:
+    model, _, count = text.partition("=")
+    if not model or not count.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: give MODEL=N, e.g. H200=16")
+    return model, int(count)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("workload", help="a workload CSV: a Philly trace (philly.csv)")
+    parser.add_argument("--policies", help="policy directory to replay under")
+    parser.add_argument("--against", help="a second policy directory, replayed beside the first")
+    parser.add_argument("--capacity", type=_capacity, action="append", default=[], metavar="MODEL=N",
+                        help="cards of a model instead of the policies' inventory (repeatable)")
+    parser.add_argument("--node-cards", type=int, metavar="N",
+                        help="cards per node: multi-card jobs need theirs on one node, or are gang-placed "
+                             "across nodes when larger than one (default: one node, the embedded pool)")
+    parser.add_argument("--limit", type=int, metavar="N", help="only the first N jobs of the workload")
+    parser.add_argument("--format", default="table", choices=["table", "json"])
+    parser.add_argument("--find-capacity", metavar="MODEL",
+                        help="find the fewest MODEL cards serving every team within --wait-p95, pooled and dedicated")
+    parser.add_argument("--wait-p95", type=parse_duration, default=600.0, metavar="DURATION",
+                        help="the p95 queue wait target of --find-capacity (default: 10m)")
+    parser.add_argument("--write-philly-policies", metavar="DIR",
+                        help="write DIR/pooled and DIR/dedicated, the Philly cluster as policies, and stop")
+    parser.add_argument("--philly-vcs", metavar="CSV",
+                        help="philly_vc.csv (default: beside the workload)")
+
+
+def _write_policy(policy: Policy, folder: Path) -> None:
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    data = policy.model_dump(mode="json", exclude_defaults=True)
+    (folder / "policy.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        if args.write_philly_policies:
+            vcs = read_philly_vcs(args.philly_vcs or Path(args.workload).with_name("philly_vc.csv"))
+            for name, dedicated in (("pooled", False), ("dedicated", True)):
+                _write_policy(philly_policy(vcs, dedicated=dedicated), Path(args.write_philly_policies) / name)
+            print(f"wrote {args.write_philly_policies}/pooled and {args.write_philly_policies}/dedicated")
+            return 0
+        if not args.policies:
+            print("gpupool replay: give --policies DIR (or --write-philly-policies DIR)", file=sys.stderr)
+            return 2
+        sets = [args.policies] + ([args.against] if args.against else [])
+        policies = {}
+        for name in sets:
+            try:
+                policies[name] = load_policy(name)
+            except PolicyError as error:
+                print(error.report(name, "nothing was replayed"), file=sys.stderr)
+                return 2
+        capacity = dict(args.capacity)
+        cards = {name: pool_cards(policy, capacity) for name, policy in policies.items()}
+        work = read_workload(args.workload, args.limit)
+    except (OSError, ValueError) as error:
+        print(f"gpupool replay: {error}", file=sys.stderr)
+        return 2
+    if args.find_capacity:
+        results = {}
+        for name, policy in policies.items():
+            if args.find_capacity not in policy.models:
+                print(f"gpupool replay: --find-capacity names model {args.find_capacity!r}, which {name} does "
+                      f"not define (known: {', '.join(policy.models) or 'none'})", file=sys.stderr)
+                return 2
+            results[name] = find_capacity(work, policy, args.find_capacity, args.wait_p95,
+                                          node_cards=args.node_cards)
+        if args.format == "json":
+            print(json.dumps(results, indent=2))
+        else:
+            print("\n\n".join(f"{name}: {capacity_table(found)}" for name, found in results.items()))
+        return 0
+    summaries = {}
+    for name, policy in policies.items():
+        summaries[name] = summary(replay(work, policy, cards=cards[name], node_cards=args.node_cards))
+    if args.format == "json":
+        print(json.dumps(summaries, indent=2))
+    else:
+        print(table(summaries))
+    return 0
