@@ -64,10 +64,16 @@ $(SERVER_ENV)/.requirements-installed: $(SERVER_ENV)/bin/python images/base/requ
 	$(SERVER_ENV)/bin/python -m pip install --progress-bar off -r images/base/requirements.in build/server-env/gpupool-*.whl
 	@touch $@
 
-$(SERVER_ENV)/.gpupool-installed: $(SERVER_ENV)/.requirements-installed $(SERVER_WHEEL) $(BASE_FILES)
+$(SERVER_ENV)/.gpupool-installed: $(SERVER_ENV)/.requirements-installed $(SERVER_WHEEL) $(BASE_FILES) package-lock.json
 	@echo "server environment: installing gpupool from this checkout into $(SERVER_ENV)"
 	$(SERVER_ENV)/bin/python -m pip install --quiet --no-deps --force-reinstall build/server-env/gpupool-*.whl
 	$(server-env-files)
+	@# JupyterHub's proxy too, so that the environment is a whole platform any user can run (`gpupool up` as an
+	@# ordinary user on a machine where root installed it)
+	install -d -m 755 $(SERVER_ENV)/share/gpupool/proxy
+	install -m 644 package.json package-lock.json $(SERVER_ENV)/share/gpupool/proxy/
+	cd $(SERVER_ENV)/share/gpupool/proxy && npm ci --no-audit --no-fund --silent
+	ln -sfn ../share/gpupool/proxy/node_modules/.bin/configurable-http-proxy $(SERVER_ENV)/bin/configurable-http-proxy
 	chown -R root:root $(SERVER_ENV) 2>/dev/null || true
 	chmod -R u+rwX,go+rX,go-w $(SERVER_ENV)
 	@touch $@

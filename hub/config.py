@@ -96,6 +96,9 @@ def proxy_command() -> list[str]:
     local = REPO_ROOT / "node_modules" / ".bin" / "configurable-http-proxy"
     if local.exists():
         return [str(local)]
+    beside = Path(sys.executable).parent / "configurable-http-proxy"  # the servers' environment (/opt/gpupool/env)
+    if beside.exists():
+        return [str(beside)]
     found = shutil.which("configurable-http-proxy")
     if found:
         return [found]

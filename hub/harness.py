@@ -24,6 +24,15 @@ from gpupool.spawner.pool import AllocationStore
 GPUPOOL = Path(sys.executable).parent / "gpupool"
 
 
+def platform_command(unix_user: str | None) -> Path:
+    """The `gpupool` a hub run as `unix_user` uses: as the tests' own user, this environment's; as an ordinary
+    user (the tests run as root), the platform root installed for every user (the servers' environment,
+    /opt/gpupool/env), which that user can run wherever the checkout and the tests' interpreter live."""
+    if unix_user is None:
+        return GPUPOOL
+    return Path(os.environ.get("GPUPOOL_SERVER_ENV") or "/opt/gpupool/env") / "bin" / "gpupool"
+
+
 def service_config(token: str, extra: str = "") -> str:
     """A jupyterhub_config.d snippet adding a `harness` service with the scopes driving servers needs."""
     return f"""
@@ -81,6 +90,7 @@ class Hub:
         self.mlflow = mlflow  # tests that do not use MLflow start faster without it
         #: Run `gpupool up` as this ordinary Unix user (the tests run as root) instead of as the tests' user.
         self.unix_user = unix_user
+        self.command = platform_command(unix_user)
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
         self.log = tmp / "hub.log"
@@ -102,7 +112,7 @@ class Hub:
             as_user = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
             env.update(HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name)
         self.process = subprocess.Popen(
-            [GPUPOOL, "up", "--state-dir", str(self.state), "--port", str(self.port), "--policies", str(self.policies),
+            [self.command, "up", "--state-dir", str(self.state), "--port", str(self.port), "--policies", str(self.policies),
              "--ledger-url", self.ledger_url, "--team-root", str(self.team_root),
              *(["--mlflow-backend-url", self.mlflow_backend_url] if self.mlflow_backend_url else []),
              *([] if self.mlflow else ["--no-mlflow"])],
@@ -148,7 +158,7 @@ class Hub:
 
     def cli(self, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
         """Run `gpupool ARGS` as a person would: from another folder (`cwd`), finding this hub by itself."""
-        return subprocess.run([str(GPUPOOL), *args], cwd=cwd or self.log.parent, env=self.env, capture_output=True,
+        return subprocess.run([str(self.command), *args], cwd=cwd or self.log.parent, env=self.env, capture_output=True,
                               text=True, timeout=120, check=False)
 
     def api(self, method: str, path: str, **kw) -> requests.Response:

@@ -38,7 +38,7 @@ import psutil
 import pytest
 import requests
 
-from gpupool.hub.harness import GPUPOOL, Browser, Hub, Terminal
+from gpupool.hub.harness import Browser, Hub, Terminal, platform_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCREENSHOTS = REPO_ROOT / "docs" / "screenshots"
@@ -146,7 +146,7 @@ def _ordinary_user() -> tuple[str, str | None]:
         subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", ORDINARY_USER], check=True)
     account = pwd.getpwnam(ORDINARY_USER)
     try:
-        done = subprocess.run([str(GPUPOOL), "--version"], user=account.pw_uid, group=account.pw_gid,
+        done = subprocess.run([str(platform_command(ORDINARY_USER)), "--version"], user=account.pw_uid, group=account.pw_gid,
                               extra_groups=[], capture_output=True, text=True, timeout=120,
                               env={**os.environ, "HOME": account.pw_dir})
         problem = None if done.returncode == 0 else (done.stderr or done.stdout).strip()[-500:]
@@ -154,9 +154,9 @@ def _ordinary_user() -> tuple[str, str | None]:
         problem = str(error)
     if problem:
         return ORDINARY_USER, (
-            f"the platform's environment cannot be run by an ordinary user: `{GPUPOOL} --version` as "
-            f"{ORDINARY_USER} fails ({problem}); its interpreter is {os.path.realpath(GPUPOOL.parent / 'python')}. "
-            "The environment must be readable by every user (e.g. /opt/gpupool/env, issue 12 item 2)")
+            f"the platform installed for every user cannot be run by an ordinary user: "
+            f"`{platform_command(ORDINARY_USER)} --version` as {ORDINARY_USER} fails ({problem}); `make install` "
+            "as root builds it (/opt/gpupool/env, issue 12 item 2)")
     return ORDINARY_USER, None
 
 
@@ -317,8 +317,10 @@ def _cli(journey: Journey, *args: str, cwd: Path) -> subprocess.CompletedProcess
         account = pwd.getpwnam(journey.hub_user)
         kw = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
         os.chown(cwd, account.pw_uid, account.pw_gid)
-    env = {**os.environ, "HOME": pwd.getpwnam(journey.hub_user).pw_dir}
-    return subprocess.run([str(GPUPOOL), *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env,
+    # The admin's own environment: the one `gpupool up` was started from (the harness gives each hub its own
+    # XDG_STATE_HOME, where `gpupool up` records the running platform for the CLI).
+    env = {**journey.hub.env, "HOME": pwd.getpwnam(journey.hub_user).pw_dir}
+    return subprocess.run([str(journey.hub.command), *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env,
                           **kw)
 
 
