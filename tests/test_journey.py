@@ -78,6 +78,7 @@ class Journey:
     hub_user: str
     admin_password: str | None
     login_answer_when_printed: list = field(default_factory=list)
+    password_watcher: threading.Thread | None = None
     passwords: dict[str, str] = field(default_factory=lambda: {p: f"{p}-{secrets.token_hex(6)}" for p in PEOPLE})
     tokens: dict[str, str] = field(default_factory=dict)
     terminals: dict[str, Terminal] = field(default_factory=dict)
@@ -207,7 +208,8 @@ def journey(request, tmp_path_factory):
     browser = Browser(chromium, driver)
     journey = Journey(hub, request.param, browser, shots, hub_user, None)
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch_for_password, args=(journey, stop), daemon=True)
+    watcher = journey.password_watcher = threading.Thread(target=_watch_for_password, args=(journey, stop),
+                                                           daemon=True)
     watcher.start()
     try:
         hub.start()
@@ -240,6 +242,9 @@ def journey(request, tmp_path_factory):
 
 def test_01_the_printed_address_answers_as_soon_as_the_password_is_printed(journey):
     assert journey.admin_password, f"`gpupool up` printed no password:\n{journey.log_text()[-3000:]}"
+    # The watcher asked the login page the moment the password appeared; its answer may still be on its way
+    # (a busy machine): wait for the answer itself, which says whether the page answered when printed.
+    journey.password_watcher.join(timeout=120)
     assert journey.login_answer_when_printed == [200], (
         f"when `gpupool up` printed the password, {journey.hub.url}/hub/login answered "
         f"{journey.login_answer_when_printed} (issue 12 item 10: print it when the hub routes answer)")
@@ -293,7 +298,7 @@ def test_04_a_person_in_no_team_is_told_how_to_join_one_and_offered_no_start_but
     journey.login(PEOPLE[0], journey.passwords[PEOPLE[0]])
     b = journey.browser
     b.get(f"{journey.hub.url}/hub/spawn")
-    text = b.wait_for_text("not in any team")
+    text = b.wait_for_text("in no team")
     buttons = [e.get_attribute("value") or e.text for e in b.css("#spawn_form [type=submit], #spawn_form button")]
     assert not buttons, (f"a person in no team is offered {buttons} on the spawn page, which can only end in a 403 "
                          f"(issue 12 item 6); the page says:\n{text[:1000]}")
@@ -525,7 +530,8 @@ def test_15_the_mlflow_ui_opens_on_the_first_page_and_the_experiment_without_err
             journey.shot(shot)
         text = b.text()
         problems += [f"{page}: the page says {line.strip()!r}" for line in text.splitlines()
-                     if re.search(r"failed to|went wrong|\berror\b", line, re.I)]
+                     if re.search(r"failed to|went wrong|\berror\b", line, re.I)
+                     and not re.search(r"error rate: 0\.0%", line)]  # the traces panel's statistic, not an error
         if "Welcome to MLflow Assistant" in text:
             problems.append(f"{page}: the assistant panel opens by itself")
         if re.search(r"UI telemetry", text, re.I):
