@@ -37,6 +37,10 @@ DIFFERENCES: dict[str, str] = {
         "FormSpawner's form fields (energy, …) are not gpupool user_options: a 400 naming the accepted keys",
     "test_named_servers::test_named_server_spawn_with_opts":
         "query options (energy, opt-…) are not gpupool user_options: a 400 naming the accepted keys",
+    # A server's user name becomes a Unix account, a pod, labels and folder names (policies/identity.py).
+    "test_spawner::test_spawner_routing":
+        "user names with '@', '~' or '%' are refused with a 403 naming the accepted pattern and how an "
+        "administrator renames the user; routing of accepted names is covered by the rest of the suite",
     # The server model shows what gpupool keeps.
     "test_named_servers::test_default_server":
         "the server's state has gpupool's keys (allocation, choice, usage run, process start time) beside pid, "
