@@ -190,7 +190,11 @@ class Registry:
         return result
 
     def git(self, *args: str, cwd: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
-        return self.run("git", *_identity(), *args, cwd=cwd, check=check)
+        # The registry is shared by the team and owned by whoever made it: git refuses a repository another
+        # account owns ("dubious ownership"), root included (the Datasets tab, an admin's CLI). The registry
+        # is the team's by construction, so it is safe for this one command (command-line configuration is
+        # protected configuration, which git reads safe.directory from).
+        return self.run("git", "-c", f"safe.directory={self.path}", *_identity(), *args, cwd=cwd, check=check)
 
     def dvc(self, *args: str, cwd: Path) -> subprocess.CompletedProcess:
         return self.run(sys.executable, "-m", "dvc", *args, cwd=cwd)

@@ -379,6 +379,20 @@ def test_folder_registry(folder_env, tmp_path):
     assert "<td>cats</td><td>v2</td>" in page.text and f"dvc import {registry} cats --rev cats@v2" in page.text
     assert "Team vision" not in get("nora", "datasets").text
 
+    # The registry belongs to whoever made it; root (the tab's service, an admin's CLI) reads it all the same,
+    # where plain git says "detected dubious ownership".
+    if os.geteuid() == 0:
+        made = registry.stat()
+        subprocess.run(["chown", "-R", "nobody", registry], check=True)
+        try:
+            plain = subprocess.run(["git", "-C", registry, "for-each-ref"], capture_output=True, text=True)
+            assert "dubious ownership" in plain.stderr  # the positive control: what the listing must get past
+            assert [d.name for d in team_datasets(load_policy(hub.policies), "vision", hub.team_root).datasets] == [
+                "cats"]
+            assert [d["name"] for d in get("alice", "api/teams/vision/datasets").json()["datasets"]] == ["cats"]
+        finally:
+            subprocess.run(["chown", "-R", f"{made.st_uid}:{made.st_gid}", registry], check=True)
+
 
 @pytest.fixture(scope="module")
 def s3_env(tmp_path_factory, s3_server):
