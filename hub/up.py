@@ -6,9 +6,8 @@ import argparse
 import json
 import os
 import secrets
-import signal
+import select
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -122,18 +121,24 @@ def up(args: argparse.Namespace) -> int:
 
 
 def announce_when_ready(url: str, text: str, lock: int) -> None:
-    """Print `text` once the hub answers at `url` through its proxy, from a forked helper that dies with the hub.
+    """Print `text` once the hub answers at `url` through its proxy, from a helper process that ends with the hub.
 
     Until the hub has started its services and registered its routes, the proxy answers 404: a login line
-    printed before that sends people to an error page.
+    printed before that sends people to an error page. The helper is forked twice and its first fork reaped
+    here, so the hub (which this process becomes) is left no child to reap; it watches the hub through a
+    pidfd, which is readable once the hub has exited.
     """
-    hub = os.getpid()
-    if os.fork():
+    hub = os.pidfd_open(os.getpid())
+    middle = os.fork()
+    if middle:
+        os.close(hub)
+        os.waitpid(middle, 0)
         return
     try:
+        if os.fork():
+            return  # the middle process: its exit re-parents the helper away from the hub
         os.close(lock)  # the lock belongs to the hub alone
-        lifecycle.set_parent_death_signal(signal.SIGTERM)
-        while os.getppid() == hub:
+        while not select.select([hub], [], [], 0)[0]:
             try:
                 with urllib.request.urlopen(url.rstrip("/") + "/hub/api/", timeout=5) as response:
                     if response.status == 200:
@@ -141,7 +146,7 @@ def announce_when_ready(url: str, text: str, lock: int) -> None:
                         break
             except (OSError, ValueError):
                 pass
-            time.sleep(0.5)
+            select.select([hub], [], [], 0.5)
     finally:
         os._exit(0)
 

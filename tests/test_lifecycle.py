@@ -211,6 +211,9 @@ def test_after_a_hub_crash_gpupool_up_serves_fresh_services_and_nothing_old_list
         hub.start()
         opener.join()
         assert seen.get("login") == 200, f"the URL answers once the login line is printed, not {seen}"
+        # The helper that printed the line leaves the hub no exited child to reap (no zombie per `gpupool up`).
+        zombies = [c for c in psutil.Process(hub.process.pid).children() if c.status() == psutil.STATUS_ZOMBIE]
+        assert not zombies, zombies
         hub.wait_service("mlflow", "health")
         before = {name: health(hub, name) for name in ("accounting", "mlflow")}
         assert before["accounting"]["version"] and before["mlflow"]["mlflow"]
