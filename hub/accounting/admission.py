@@ -187,7 +187,9 @@ def format_share(share: Fraction) -> str:
 
 
 def format_hours(hours: Fraction | Decimal) -> str:
-    """GPU-hours for people: 512.3, 0.25, 500."""
+    """GPU-hours for people: 512.3, 0.25, 500; three significant digits below 0.01, so a short run is not "0"."""
+    if 0 < hours < Fraction(1, 100):
+        return f"{float(hours):.3g}"
     return _trimmed(hours, 2)
 
 

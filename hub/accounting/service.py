@@ -315,13 +315,6 @@ def team_report(ledger: Ledger, policy, team: str, period: str, top: int, member
 # --- the pages: the same figures as the JSON routes, for people ---------------------------------------------
 
 
-def hours_text(hours: Fraction) -> str:
-    """GPU-hours on a page: two decimals, or three significant digits below 0.01 so a short run is not "0"."""
-    if 0 < hours < Fraction(1, 100):
-        return f"{float(hours):.3g}"
-    return format_hours(hours)
-
-
 def money(value: Decimal | str, currency: str) -> str:
     return f"{Decimal(value):,.2f} {currency}"
 
@@ -378,7 +371,7 @@ class AdminPageHandler(AccountingHandler):
             except ValueError as error:  # a model without a price: say so, the rest of the page still helps
                 cost = "–"
                 problems.append(f"team {t['team']}: {error}")
-            teams.append({"name": t["team"], "hours": hours_text(used), "budget": t["budget_gpu_hours"],
+            teams.append({"name": t["team"], "hours": format_hours(used), "budget": t["budget_gpu_hours"],
                           "used_percent": percent(used, Fraction(t["budget_gpu_hours"])) if t["budget_gpu_hours"]
                           else None, "cost": cost,
                           "href": f"teams/{t['team']}?period={period}",
@@ -431,9 +424,9 @@ class TeamPageHandler(AccountingHandler):
             "team.html", f"Team {team}, {name}", f"team:{team}", period_name=name, lead=lead,
             leads=sorted(policy.teams[team].leads),
             alerts=[a.message for a in reached_alerts(policy, team, self.ledger.usage(period))],
-            hours=hours_text(used), budget=budget, on_exhausted=report["on_exhausted"], resets=report["resets"],
+            hours=format_hours(used), budget=budget, on_exhausted=report["on_exhausted"], resets=report["resets"],
             used_percent=percent(used, Fraction(budget)) if budget else None,
-            mine=hours_text(mine.get("gpu_hours", Fraction(0))),
+            mine=format_hours(mine.get("gpu_hours", Fraction(0))),
             my_cost=money(mine.get("cost", Decimal(0)), currency),
             total_chart=Markup(charts.bar_chart(f"Team {team}: GPU-hours in {name}", [(team, float(used))], "GPU-h",
                                                 limit=float(budget) if budget else None)),
@@ -549,10 +542,10 @@ class PageHandler(AccountingHandler):
             budget = summary["budget_gpu_hours"]
             own = mine.get(team, {})
             teams.append({
-                "name": team, "hours": hours_text(used), "budget": budget,
+                "name": team, "hours": format_hours(used), "budget": budget,
                 "used_percent": percent(used, Fraction(budget)) if budget else None,
                 "on_exhausted": summary["on_exhausted"], "resets": summary["resets"],
-                "mine": hours_text(own.get("gpu_hours", Fraction(0))),
+                "mine": format_hours(own.get("gpu_hours", Fraction(0))),
                 "my_cost": money(own.get("cost", Decimal(0)), currency), "href": f"teams/{team}",
                 "chart": Markup(charts.bar_chart(
                     f"Team {team}: GPU-hours in {name}", [(team, float(used)), ("you", float(own.get("gpu_hours", 0)))],
@@ -563,7 +556,7 @@ class PageHandler(AccountingHandler):
                    for server in running_servers(self.ledger, policy, viewer.name, periods.utcnow())]
         self.render_page(
             "usage.html", f"Your GPU usage, {name}", "usage", period_name=name, alerts=alerts, teams=teams,
-            my_hours=hours_text(sum((u["gpu_hours"] for u in mine.values()), Fraction(0))),
+            my_hours=format_hours(sum((u["gpu_hours"] for u in mine.values()), Fraction(0))),
             my_cost=money(sum((u["cost"] for u in mine.values()), Decimal(0)), currency), running=running,
             leads=[(t, sorted(team.leads)) for t, team in sorted(policy.teams.items()) if team.leads])
 
