@@ -2,9 +2,11 @@
 
 One `gpupool up` (its MLflow service on SQLite) and one plain `mlflow server` on the same store (the same
 SQLite file and artifacts folder, the same options but the app) run side by side; each operation is timed
-against the three, interleaved (plain, gpupool, through the hub's proxy, in turn) so all see the same load.
-Each target logs into its own run of one experiment of team vision. Prints median milliseconds per
-operation and the ratios to plain (target ≤ 1.2 for both).
+against the four targets, interleaved (plain, gpupool, gpupool through the hub's proxy, and plain behind a
+configurable-http-proxy of its own, in turn) so all see the same load. The fourth shows what the proxy hop
+alone costs, whoever's server is behind it. Each target logs into its own run of one experiment of team
+vision. Prints median milliseconds per operation and the ratios to plain (target ≤ 1.2 for both), and of
+gpupool through the hub to plain behind the same proxy.
 
     .venv/bin/python bench/mlflow.py [--calls 200]
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import requests
 
+from gpupool.hub.config import proxy_command
 from gpupool.hub.harness import Hub, free_port_block
 
 POLICY = {
@@ -93,6 +96,15 @@ def plain_server(store: Path, port: int, log) -> subprocess.Popen:
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+def plain_proxy(target_port: int, port: int, log) -> subprocess.Popen:
+    """configurable-http-proxy (the hub's proxy program) in front of the plain server: the same hop, no hub."""
+    return subprocess.Popen(
+        [*proxy_command(), "--ip", "127.0.0.1", "--port", str(port), "--api-ip", "127.0.0.1",
+         "--api-port", str(port + 1), "--default-target", f"http://127.0.0.1:{target_port}", "--log-level", "warn"],
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, CONFIGPROXY_AUTH_TOKEN=uuid.uuid4().hex),
+        start_new_session=True)
+
+
 def wait_for(url: str, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -111,7 +123,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         hub = Hub(Path(tmp) / "gpupool", POLICY, SELF)
-        plain = None
+        plain = proxy = None
         try:
             hub.start()
             hub.wait_service("mlflow", "health")
@@ -120,9 +132,13 @@ def main() -> None:
             port = free_port_block(1)
             plain = plain_server(hub.state, port, (Path(tmp) / "plain.log").open("a"))
             wait_for(f"http://127.0.0.1:{port}/health")
+            proxy_port = free_port_block(2)
+            proxy = plain_proxy(port, proxy_port, (Path(tmp) / "proxy.log").open("a"))
+            wait_for(f"http://127.0.0.1:{proxy_port}/health")
             targets = [Target("plain mlflow server", f"http://127.0.0.1:{port}", None),
                        Target("gpupool", f"http://127.0.0.1:{hub.port + 4}/services/mlflow", token),
-                       Target("gpupool via hub", f"{hub.url}/services/mlflow", token)]
+                       Target("gpupool via hub", f"{hub.url}/services/mlflow", token),
+                       Target("plain via proxy", f"http://127.0.0.1:{proxy_port}", None)]
             gpupool = targets[1]
             experiment_id = gpupool.call("POST", API + "experiments/create",
                                          json={"name": "vision/bench"}).json()["experiment_id"]
@@ -136,25 +152,29 @@ def main() -> None:
                 for t in targets:  # warm-up: imports, caches, connections
                     do(t)
                 for i in range(max(3, args.calls // divisor)):
-                    for t in targets[i % 3:] + targets[:i % 3]:  # who goes first rotates
+                    turn = i % len(targets)
+                    for t in targets[turn:] + targets[:turn]:  # who goes first rotates
                         start = time.perf_counter()
                         do(t)
                         times[op, t.name].append((time.perf_counter() - start) * 1000)
         finally:
+            if proxy is not None:
+                proxy.terminate()
+                proxy.wait(60)
             if plain is not None:
                 plain.terminate()
                 plain.wait(60)
             hub.stop()
     names = [t.name for t in targets]
     print(f"{'operation':<16}{'calls':>6}" + "".join(f"{n + ' ms':>24}" for n in names)
-          + f"{'gpupool / plain':>17}{'via hub / plain':>17}")
+          + f"{'gpupool / plain':>17}{'via hub / plain':>17}{'via hub / plain via proxy':>27}")
     worst = 0.0
     for op in ops:
         medians = [statistics.median(times[op, n]) for n in names]
         ratios = [medians[1] / medians[0], medians[2] / medians[0]]
         worst = max(worst, *ratios)
         print(f"{op:<16}{len(times[op, names[0]]):>6}" + "".join(f"{m:>24.2f}" for m in medians)
-              + "".join(f"{r:>17.3f}" for r in ratios))
+              + "".join(f"{r:>17.3f}" for r in ratios) + f"{medians[2] / medians[3]:>27.3f}")
     print(f"worst ratio to a plain mlflow server: {worst:.3f} (target ≤ 1.2)")
 
 
