@@ -317,6 +317,7 @@ class Browser:
         self.driver = webdriver.Chrome(service=Service(chromedriver), options=options)
         self._responses: dict[str, dict] = {}
         self._pending: dict[str, str] = {}
+        self._answered: set[str] = set()  # URLs a request of this page has finished at
         self._console: list[dict] = []
 
     def get(self, url: str) -> None:
@@ -390,6 +391,8 @@ class Browser:
                 self._responses[params["requestId"]] = {"url": response["url"], "status": response["status"]}
             elif event["method"] in ("Network.loadingFinished", "Network.loadingFailed"):
                 url = self._pending.pop(params["requestId"], None)
+                if url:
+                    self._answered.add(url)
                 if event["method"] == "Network.loadingFailed" and params.get("errorText") != "net::ERR_ABORTED":
                     self._responses[params["requestId"]] = {"url": url, "status": params.get("errorText")}
         self._console += self.driver.get_log("browser")
@@ -400,23 +403,26 @@ class Browser:
         self._read_logs()
         self._responses.clear()
         self._pending.clear()
+        self._answered.clear()
         self._console.clear()
 
-    def wait_network_idle(self, quiet: float = 3, timeout: float = 180) -> None:
-        """Until the page has made no network event for `quiet` seconds (a page done loading).
+    def wait_page_loaded(self, timeout: float = 300) -> None:
+        """Until every request the page has made has been answered, except repeats of requests answered before.
 
-        Requests that never end (workers, long polls) do not count as loading."""
+        A page that refreshes itself (MLflow's UI polls) is never quiet on a busy machine, so "no network
+        for N seconds" depends on the load; a repeat of a URL already answered is such a refresh, anything
+        else is the page still loading. Checked on two reads a quarter second apart, so that requests a
+        finished one has just caused are seen. Requests that never end (workers, long polls) do not count.
+        """
         deadline = time.monotonic() + timeout
-        quiet_since = None
-        while time.monotonic() < deadline:
-            if self._read_logs():
-                quiet_since = None
-            elif quiet_since is None:
-                quiet_since = time.monotonic()
-            elif time.monotonic() - quiet_since >= quiet:
-                return
+        settled = 0
+        while settled < 2:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the page kept loading: {sorted(set(self._pending.values()))[:20]}")
             time.sleep(0.25)
-        raise TimeoutError(f"the page kept loading: {sorted(self._pending.values())[:20]}")
+            self._read_logs()
+            loading = set(self._pending.values()) - self._answered
+            settled = 0 if loading else settled + 1
 
     def failed_requests(self) -> list[str]:
         """`STATUS URL` of every request since `start_recording` that got a 4xx/5xx or failed."""

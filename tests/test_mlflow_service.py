@@ -19,7 +19,7 @@ import requests
 
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.periods import utcnow
-from gpupool.hub.harness import Hub
+from gpupool.hub.harness import Browser, Hub
 
 POLICY = {
     "policy.yaml": """
@@ -407,97 +407,49 @@ def test_a_finished_run_is_tagged_with_its_gpu_hours_and_cost_from_the_ledger(hu
     assert Decimal(tags["gpupool.cost"]) == Decimal("3.20") and tags["gpupool.currency"] == "EUR"
 
 
-class _PageWatch:
-    """What a page's requests got (HTTP errors, failed loads), its console errors, and whether any is in flight."""
-
-    def __init__(self, browser):
-        self.browser, self.inflight, self.errors, self.quiet = browser, set(), [], 0
-
-    def read(self) -> None:
-        for entry in self.browser.get_log("performance"):
-            message = json.loads(entry["message"])["message"]
-            method, params = message["method"], message.get("params", {})
-            if method == "Network.requestWillBeSent" and params.get("type") in ("XHR", "Fetch"):
-                self.inflight.add(params["requestId"])
-            elif method in ("Network.loadingFinished", "Network.loadingFailed"):
-                self.inflight.discard(params["requestId"])
-            if method == "Network.responseReceived" and params["response"]["status"] >= 400:
-                self.errors.append(f"{params['response']['status']} {params['response']['url']}")
-            elif method == "Network.loadingFailed" and not params.get("canceled"):
-                self.errors.append(f"failed {params.get('errorText')} ({params.get('type')})")
-        self.errors += [f"console: {e['message']}" for e in self.browser.get_log("browser") if e["level"] == "SEVERE"]
-
-    def settled(self, _browser=None) -> bool:
-        """True once no request has been in flight for 2 s of polls (the UI's periodic refreshes may follow)."""
-        self.read()
-        self.quiet = 0 if self.inflight else self.quiet + 1
-        return self.quiet >= 8
-
-    def take_errors(self) -> list[str]:
-        self.read()
-        errors, self.errors = self.errors, []
-        return errors
-
-
 def test_a_browser_logs_in_through_the_hub_and_sees_its_teams_experiment_without_errors(hub, notebook, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver_path = shutil.which("chromedriver")
-    if not chromium or not driver_path:
+    driver = shutil.which("chromedriver")
+    if not chromium or not driver:
         pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver; "
                     "`make install` does it as root)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run", "--window-size=1400,900"):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"performance": "ALL", "browser": "ALL"})
-    browser = webdriver.Chrome(service=Service(driver_path), options=options)
     shots = REPO_ROOT / "docs" / "screenshots"
-    shots.mkdir(parents=True, exist_ok=True)
+    b = Browser(chromium, driver)
 
-    watch = _PageWatch(browser)
-
-    def settled(predicate, timeout=120):
-        WebDriverWait(browser, timeout).until(predicate)
-        watch.quiet = 0
-        WebDriverWait(browser, timeout, poll_frequency=0.25).until(watch.settled)
+    def errors() -> list[str]:
+        return b.failed_requests() + [f"console: {m}" for m in b.console_errors()]
 
     try:
-        browser.get(f"{hub.url}/services/mlflow/")
-        WebDriverWait(browser, 60).until(expected_conditions.url_contains("/hub/login"))
-        browser.find_element(By.ID, "username_input").send_keys("alice")
-        browser.find_element(By.ID, "password_input").send_keys(PASSWORD)
-        browser.find_element(By.ID, "login_submit").click()
-        WebDriverWait(browser, 120).until(expected_conditions.url_contains("/services/mlflow/"))
-        watch.take_errors()  # the hub's login pages are not what this test is about
+        b.get(f"{hub.url}/services/mlflow/")
+        b.wait(lambda d: "/hub/login" in d.current_url, 60, "the logged-out browser was not sent to the hub login")
+        b.fill({"username_input": "alice", "password_input": PASSWORD})
+        b.click("#login_submit")
+        b.wait(lambda d: "/services/mlflow/" in d.current_url, 120, "the hub login did not lead back to MLflow")
+        b.start_recording()  # the hub's login pages are not what this test is about
         # The first page a user sees.
-        browser.get(f"{hub.url}/services/mlflow/")
-        settled(lambda b: "vision" in b.find_element(By.TAG_NAME, "body").text)
-        assert "nlp" not in [e.text for e in browser.find_elements(By.CSS_SELECTOR, "a")]
-        browser.save_screenshot(str(shots / "mlflow-experiments.png"))
-        first_page = watch.take_errors()
-        first_text = browser.find_element(By.TAG_NAME, "body").text
+        b.get(f"{hub.url}/services/mlflow/")
+        b.wait_for_text("vision")
+        b.wait_page_loaded()
+        assert "nlp" not in [a.text for a in b.css("a")]
+        b.screenshot(shots / "mlflow-experiments.png")
+        first_page, first_text = errors(), b.text()
         # The team's experiment, in its default view.
-        browser.get(f"{hub.url}/services/mlflow/#/experiments/{notebook['experiment_id']}")
+        b.start_recording()
+        b.get(f"{hub.url}/services/mlflow/#/experiments/{notebook['experiment_id']}")
         # Its default view (Overview) draws the experiment's charts: data, "no data", or the error this is about.
-        settled(lambda b: any(text in b.find_element(By.TAG_NAME, "body").text
-                              for text in ("No data available", "Failed to load")))
-        browser.save_screenshot(str(shots / "mlflow-experiment.png"))
-        body = browser.find_element(By.TAG_NAME, "body").text
-        experiment_page = watch.take_errors()
+        b.wait(lambda d: any(text in b.text() for text in ("No data available", "Failed to load")), 120,
+               "the experiment page drew no charts")
+        b.wait_page_loaded()
+        b.screenshot(shots / "mlflow-experiment.png")
+        body, experiment_page = b.text(), errors()
     finally:
-        browser.save_screenshot(str(tmp_path / "mlflow-ui-last.png"))
-        browser.quit()
+        b.screenshot(tmp_path / "mlflow-ui-last.png")
+        b.quit()
     assert first_page == [] and experiment_page == [], (first_page, experiment_page)
     assert "Failed to load" not in body, body[:2000]
     # What a private platform's first page must not show: the assistant opened by itself, a telemetry notice.
     assert "Information about UI telemetry" not in first_text and "Assistant" not in first_text, first_text
+
 
 @pytest.mark.postgresql
 def test_mlflow_runs_and_models_on_postgresql(postgres_server, tmp_path_factory):
