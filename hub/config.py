@@ -11,8 +11,8 @@ from functools import partial
 from pathlib import Path
 
 from gpupool.hub.lifecycle import supervised
-from gpupool.hub.wiring import ACCOUNTING_SERVICE, MLFLOW_ROLE, MLFLOW_SERVICE, service_roles, team_groups
 from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
+from gpupool.spawner.wiring import ACCOUNTING_SERVICE, MLFLOW_ROLE, MLFLOW_SERVICE, service_roles, team_groups
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: gpupool's overrides of JupyterHub's page templates (the home page of a user in no team).
@@ -152,8 +152,8 @@ def home_page_teams(policy_dir: Path):
     each page, so a user added to a team sees the Start button on their next visit.
     """
     def teams(user) -> dict:
-        # The spawner's policy cache (hot reload); imported here, at the first page, not by every `gpupool` command.
-        from gpupool.spawner.mixin import current_policy
+        # The hot-reloading policy; imported here, at the first page, not by every `gpupool` command.
+        from gpupool.policies.reload import current_policy
 
         if user is None:
             return {"teams": None, "leads": []}

@@ -265,7 +265,7 @@ class Gate:
 
     @property
     def policy(self):
-        from gpupool.spawner.mixin import current_policy
+        from gpupool.policies.reload import current_policy
 
         return current_policy(self.policy_dir, log)
 

@@ -28,19 +28,20 @@ from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import AdmissionRequest, Holdings
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
 from gpupool.hub.accounting.notify import admit_now
+from gpupool.policies.choice import Choice
 from gpupool.policies.identity import unix_group, unix_user
 from gpupool.policies.model import Policy, parse_quantity
+from gpupool.policies.resources import profile_share
 from gpupool.spawner.accounts import (
     DEFAULT_RECORD, Account, IdentityConflict, ensure_account, is_shared_with_group, share_with_group,
 )
 from gpupool.spawner.datasets import ServerDatasets
-from gpupool.spawner.mixin import Choice, GPUPoolSpawnerMixin
+from gpupool.spawner.mixin import GPUPoolSpawnerMixin
 from gpupool.spawner.pool import (
     AllocationStore, Decide, Denied, LocalPool, QueueTimeout, Request, Verdict, discover_cards, process_alive,
     process_start_time,
 )
 from gpupool.spawner.requeue import requeue
-from gpupool.spawner.resources import profile_share
 
 _pools: dict[str, LocalPool] = {}
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from gpupool.hub.wiring import ACCOUNTING_SERVICE, MLFLOW_SERVICE, service_roles, team_groups
 from gpupool.policies.model import DNS_LABEL, Policy
+from gpupool.spawner.wiring import ACCOUNTING_SERVICE, MLFLOW_SERVICE, service_roles, team_groups
 
 QUEUE_API_VERSION = "scheduling.volcano.sh/v1beta1"
 PRIORITY_CLASS_API_VERSION = "scheduling.k8s.io/v1"
@@ -31,7 +31,7 @@ SPAWNER_CLASS = "gpupool.spawner.kube.GPUKubeSpawner"
 POLICY_DIR = "/etc/gpupool/policies"
 POLICY_VOLUME = "gpupool-policies"
 #: The port of the accounting service's Deployment (helm/gpupool/templates/accounting.yaml); its name and
-#: roles are the embedded mode's (gpupool.hub.wiring).
+#: roles are the embedded mode's (gpupool.spawner.wiring).
 ACCOUNTING_PORT = 8080
 #: The port of the MLflow Service (helm/gpupool values `mlflow.port`).
 MLFLOW_PORT = 5000

@@ -35,7 +35,7 @@ from gpupool.hub.accounting.periods import (
     period_reset,
 )
 from gpupool.policies.model import Policy, Team
-from gpupool.spawner.resources import profile_share
+from gpupool.policies.resources import profile_share
 
 #: The priority of deprioritized work: below every team (team priorities are 0 or more).
 LOWEST_PRIORITY = -1

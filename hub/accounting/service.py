@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -38,12 +39,14 @@ from gpupool.hub.accounting.admission import format_hours, format_share, reached
 from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.reports import (
-    MAX_TOP, capacity_of, daily_utilisation, queue_waits, running_servers, team_daily, top_consumers, user_usage,
+    MAX_TOP, daily_utilisation, queue_waits, running_servers, team_daily, top_consumers, user_usage,
 )
 from gpupool.hub.accounting.servers import HubClient, reconcile_with_hub
 from gpupool.hub.datasets import DatasetError, human_size, team_datasets, team_registry
 from gpupool.policies import DEFAULT_POLICY_DIR
-from gpupool.spawner.mixin import current_policy
+from gpupool.policies.model import Policy
+from gpupool.policies.reload import current_policy
+from gpupool.spawner.pool import discover_cards
 
 log = logging.getLogger("gpupool.accounting")
 
@@ -157,8 +160,7 @@ class AccountingHandler(HubOAuthenticated, web.RequestHandler):
     def viewer(self) -> Viewer:
         user = self.current_user
         policy = self.policy
-        groups = set(user.get("groups") or []) | set(policy.teams_of(user["name"]))
-        teams = frozenset(g for g in groups if g in policy.teams)
+        teams = frozenset(policy.teams_of(user["name"], user.get("groups") or []))
         leads = frozenset(t for t, team in policy.teams.items() if user["name"] in team.leads)
         return Viewer(user["name"], bool(user.get("admin")), teams, leads)
 
@@ -283,6 +285,13 @@ def utilisation(ledger: Ledger, policy, period: str) -> dict[str, dict[str, str]
         result[model] = {"allocated_gpu_hours": _hours(used), "capacity_gpu_hours": _hours(capacity),
                          "utilisation": f"{float(used / capacity):.4f}" if capacity else "0"}
     return result
+
+
+def capacity_of(policy: Policy) -> dict[str, int]:
+    """Cards per GPU model: NVML's when a driver is present here, else the policy's declared inventory."""
+    cards, _source = discover_cards(policy)
+    found = Counter(card.model for card in cards)
+    return {model: found.get(model, 0) for model in policy.models}
 
 
 def admin_report(ledger: Ledger, policy, period: str, top: int) -> dict:
