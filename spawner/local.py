@@ -28,6 +28,7 @@ from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import AdmissionRequest, Holdings
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
 from gpupool.hub.accounting.notify import admit_now
+from gpupool.policies import defaults
 from gpupool.policies.choice import Choice
 from gpupool.policies.identity import unix_group, unix_user
 from gpupool.policies.model import Policy, parse_quantity
@@ -296,7 +297,7 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     @default("state_dir")
     def _default_state_dir(self):
-        return os.environ.get("GPUPOOL_STATE_DIR", str(Path.cwd() / "state"))
+        return str(defaults.state_dir())
 
     server_env = Unicode(
         help="""
@@ -342,10 +343,12 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     @default("ledger_url")
     def _default_ledger_url(self):
-        return os.environ.get("GPUPOOL_LEDGER_URL") or f"sqlite:///{Path(self.state_dir) / 'ledger.sqlite'}"
+        return os.environ.get("GPUPOOL_LEDGER_URL") or defaults.ledger_url(self.state_dir)
 
     team_root = Unicode(
-        help="""Folder holding one group-private (2770) folder per team for shared data.
+        help="""Folder holding one group-private (2770) folder per team for shared data. Default: `teams`
+        beside the state folder when servers run as their users (`run_as = "user"`: they cannot enter the
+        0700 state folder), else inside it; `gpupool up` sets it (`--team-root`).
 
             c.LocalGPUSpawner.team_root = "/srv/gpupool/teams"
         """,
@@ -353,7 +356,7 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     @default("team_root")
     def _default_team_root(self):
-        return str(Path(self.state_dir) / "teams")
+        return str(defaults.team_root(self.state_dir, servers_run_as_users=self.run_as == "user"))
 
     identity_record = Unicode(
         DEFAULT_RECORD,

@@ -43,7 +43,7 @@ from gpupool.hub.accounting.reports import (
 )
 from gpupool.hub.accounting.servers import HubClient, reconcile_with_hub
 from gpupool.hub.datasets import DatasetError, human_size, team_datasets, team_registry
-from gpupool.policies import DEFAULT_POLICY_DIR
+from gpupool.policies import DEFAULT_POLICY_DIR, defaults
 from gpupool.policies.model import Policy
 from gpupool.policies.reload import current_policy
 from gpupool.spawner.pool import discover_cards
@@ -635,7 +635,7 @@ class OpenAPIHandler(web.RequestHandler):
         self.finish(json.dumps(OPENAPI))
 
 
-def make_app(ledger: Ledger, policy_dir: str, prefix: str, team_root: str = "teams", base_url: str = "/",
+def make_app(ledger: Ledger, policy_dir: str, prefix: str, team_root: str, base_url: str = "/",
              nav_services: tuple[str, ...] = ("accounting",)) -> web.Application:
     """The service's routes; `base_url` is the hub's (its pages are at `{base_url}hub/`), `nav_services` the
     services the hub's navigation bar lists for every user."""
@@ -700,11 +700,11 @@ def reconcile_once(ledger: Ledger, policy_of, hub: HubClient | None, stale: time
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="[%(levelname)s %(asctime)s accounting] %(message)s")
-    state = Path(os.environ.get("GPUPOOL_STATE_DIR", "state"))
-    ledger = Ledger(os.environ.get("GPUPOOL_LEDGER_URL", f"sqlite:///{state / 'ledger.sqlite'}"))
+    state = defaults.state_dir()
+    ledger = Ledger(os.environ.get("GPUPOOL_LEDGER_URL") or defaults.ledger_url(state))
     prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/accounting/")
-    # The team folders (and their dataset registries): LocalGPUSpawner.team_root's default, or as configured.
-    team_root = os.environ.get("GPUPOOL_TEAM_ROOT", str(state / "teams"))
+    # The team folders (and their dataset registries): as configured, else the platform's default.
+    team_root = os.environ.get("GPUPOOL_TEAM_ROOT") or str(defaults.team_root(state))
     # The navigation bar lists the services every user may open, as the hub's own pages do.
     nav = tuple(n for n in os.environ.get("GPUPOOL_NAV_SERVICES", "accounting").split(",") if n)
     app = make_app(ledger, os.environ.get("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR)), prefix, team_root,
