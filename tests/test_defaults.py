@@ -94,7 +94,7 @@ def test_the_accounting_service_falls_back_to_the_same_places(monkeypatch, tmp_p
     monkeypatch.setattr(service, "Ledger", lambda url: url)
     monkeypatch.setattr(service, "make_app", make_app)
     try:
-        service.main()
+        service.main([])
     except Stop:
         pass
     state = tmp_path / "state"
