@@ -24,7 +24,6 @@ from pathlib import Path
 import requests
 
 from gpupool.hub.harness import Hub, free_port_block
-from gpupool.spawner.wiring import MLFLOW_PREFIX
 
 POLICY = {
     "policy.yaml": """
@@ -122,8 +121,8 @@ def main() -> None:
             plain = plain_server(hub.state, port, (Path(tmp) / "plain.log").open("a"))
             wait_for(f"http://127.0.0.1:{port}/health")
             targets = [Target("plain mlflow server", f"http://127.0.0.1:{port}", None),
-                       Target("gpupool", f"http://127.0.0.1:{hub.port + 4}{MLFLOW_PREFIX.rstrip('/')}", token),
-                       Target("gpupool via hub", f"{hub.url}{MLFLOW_PREFIX.rstrip('/')}", token)]
+                       Target("gpupool", f"http://127.0.0.1:{hub.port + 4}/services/mlflow", token),
+                       Target("gpupool via hub", f"{hub.url}/services/mlflow", token)]
             gpupool = targets[1]
             experiment_id = gpupool.call("POST", API + "experiments/create",
                                          json={"name": "vision/bench"}).json()["experiment_id"]
