@@ -24,13 +24,13 @@ import tracemalloc
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from fractions import Fraction
-from pathlib import Path
 
 import sqlalchemy as sa
 
 from gpupool.hub.accounting.bills import bills_for_period
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.periods import period_bounds, to_epoch_seconds
+from gpupool.policies import defaults
 from gpupool.policies.model import Policy
 
 PERIOD = "2026-11"
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     folder = tempfile.TemporaryDirectory(prefix="gpupool-bench-")
-    url = args.url or f"sqlite:///{Path(folder.name) / 'ledger.sqlite'}"
+    url = args.url or defaults.ledger_url(folder.name)  # the platform's ledger file, in a temporary state folder
     ledger = Ledger(url)
     policy = make_policy(args.teams)
     expected: dict[int, int] = {}

@@ -23,7 +23,7 @@ from traitlets import Unicode, default
 
 from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError
 from gpupool.policies.identity import new_username_problem, normalize_username, username_problem
-from gpupool.spawner.mixin import current_policy
+from gpupool.policies.reload import current_policy
 
 #: Accounts below this uid (and `nobody`) are the machine's system accounts, reserved as hub names.
 SYSTEM_UID_LIMIT = 1000

@@ -43,11 +43,11 @@ def _team(args: argparse.Namespace) -> int:
 
 def _bill(args: argparse.Namespace) -> int:
     import json
-    from pathlib import Path
 
     from gpupool.hub.accounting.bills import bill_command
     from gpupool.hub.lifecycle import NoPlatform, find_state_dir
     from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError, load_policy
+    from gpupool.policies.defaults import ledger_url
 
     try:
         # The platform's own policies and ledger: --state-dir, else the platform `gpupool up` last started.
@@ -58,7 +58,7 @@ def _bill(args: argparse.Namespace) -> int:
     hub = json.loads((state / "hub.json").read_text()) if state and (state / "hub.json").exists() else {}
     try:
         policy = load_policy(args.policies or hub.get("policies") or DEFAULT_POLICY_DIR)
-        ledger = args.ledger or hub.get("ledger_url") or f"sqlite:///{Path(state) / 'ledger.sqlite'}"
+        ledger = args.ledger or hub.get("ledger_url") or ledger_url(state)
         print(bill_command(ledger, policy, args.team, args.period, args.format), end="")
     except (PolicyError, ValueError) as error:
         print(f"gpupool bill: {error}", file=sys.stderr)
@@ -85,7 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = commands.add_parser("up", help="run the platform on this machine (embedded mode)")
     up.add_argument("--policies", help="policy directory (default: the policies shipped with gpupool)")
-    up.add_argument("--state-dir", default="state", help="where gpupool keeps its state (default: ./state)")
+    # (the default, ./state, is gpupool.policies.defaults.STATE_DIR, filled in by `gpupool up`: this command
+    # imports the policies only when a subcommand needs them)
+    up.add_argument("--state-dir", help="where gpupool keeps its state (default: ./state)")
     up.add_argument("--ip", default="127.0.0.1", help="address of the public proxy (default: 127.0.0.1)")
     up.add_argument("--port", type=int, default=8000,
                     help="port of the public proxy; the hub uses PORT+1, the proxy API PORT+2 (default: 8000)")

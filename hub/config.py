@@ -11,8 +11,10 @@ from functools import partial
 from pathlib import Path
 
 from gpupool.hub.lifecycle import supervised
-from gpupool.hub.wiring import ACCOUNTING_SERVICE, MLFLOW_ROLE, MLFLOW_SERVICE, service_roles, team_groups
-from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
+from gpupool.policies import DEFAULT_POLICY_DIR, defaults, load_policy
+from gpupool.spawner.wiring import (
+    ACCOUNTING_SERVICE, MLFLOW_PREFIX, MLFLOW_ROLE, MLFLOW_SERVICE, mlflow_url, service_roles, team_groups,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: gpupool's overrides of JupyterHub's page templates (the home page of a user in no team).
@@ -58,7 +60,7 @@ class Settings:
     @property
     def mlflow_url(self) -> str:
         """Where users reach MLflow: through the hub's proxy, behind the hub login."""
-        return f"{self.url}services/{MLFLOW_SERVICE}/"
+        return mlflow_url(self.url)
 
     @property
     def url(self) -> str:
@@ -68,7 +70,7 @@ class Settings:
     def from_env(cls) -> Settings:
         env = os.environ
         return cls(
-            state_dir=Path(env.get("GPUPOOL_STATE_DIR", Path.cwd() / "state")),
+            state_dir=defaults.state_dir(env),
             policy_dir=Path(env.get("GPUPOOL_POLICIES", DEFAULT_POLICY_DIR)),
             ip=env.get("GPUPOOL_IP", "127.0.0.1"),
             port=int(env.get("GPUPOOL_PORT", "8000")),
@@ -82,14 +84,11 @@ class Settings:
 
     def __post_init__(self):
         if not self.ledger_url:
-            object.__setattr__(self, "ledger_url", f"sqlite:///{self.state_dir / 'ledger.sqlite'}")
+            object.__setattr__(self, "ledger_url", defaults.ledger_url(self.state_dir))
         if not self.mlflow_backend_url:
             object.__setattr__(self, "mlflow_backend_url", f"sqlite:///{self.state_dir / 'mlflow.sqlite'}")
         if not self.team_root:
-            # Servers that run as their own users (the hub runs as root) cannot enter the 0700 state folder:
-            # then their teams' folders lie beside it.
-            base = self.state_dir.parent if os.geteuid() == 0 else self.state_dir
-            object.__setattr__(self, "team_root", str(base / "teams"))
+            object.__setattr__(self, "team_root", str(defaults.team_root(self.state_dir)))
 
 
 def proxy_command() -> list[str]:
@@ -121,7 +120,7 @@ def mlflow_service(settings: Settings) -> dict:
             "--backend-store-uri", settings.mlflow_backend_url,
             "--serve-artifacts", "--artifacts-destination", str(state / "mlflow-artifacts"),
             "--host", "127.0.0.1", "--port", str(settings.mlflow_port),
-            "--static-prefix", f"/services/{MLFLOW_SERVICE}",
+            "--static-prefix", MLFLOW_PREFIX.rstrip("/"),
             # The proxy forwards the hub's public Host; the hub login in front of every route is what protects
             # the server (a rebound DNS name carries no hub cookie or token).
             "--allowed-hosts", "*",
@@ -152,8 +151,8 @@ def home_page_teams(policy_dir: Path):
     each page, so a user added to a team sees the Start button on their next visit.
     """
     def teams(user) -> dict:
-        # The spawner's policy cache (hot reload); imported here, at the first page, not by every `gpupool` command.
-        from gpupool.spawner.mixin import current_policy
+        # The hot-reloading policy; imported here, at the first page, not by every `gpupool` command.
+        from gpupool.policies.reload import current_policy
 
         if user is None:
             return {"teams": None, "leads": []}

@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 
 import yaml
 
-from gpupool.policies import DEFAULT_POLICY_DIR, Policy, PolicyError, load_policy
+from gpupool.policies import DEFAULT_POLICY_DIR, Policy, PolicyError, defaults, load_policy
 from gpupool.spawner.datasets import REGISTRY_FOLDER, Remote, check_inside_root, team_remote
 
 DATASET_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")
@@ -385,11 +385,14 @@ def _group_exists(name: str) -> bool:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="datasets_command", required=True, metavar="SUBCOMMAND")
 
+    default_team_root = defaults.team_root(defaults.state_dir())
+
     def common(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--team", default=os.environ.get("GPUPOOL_TEAM"),
                          help="the team (default: $GPUPOOL_TEAM, the team of this server)")
-        sub.add_argument("--team-root", default=os.environ.get("GPUPOOL_TEAM_ROOT", "state/teams"),
-                         help="folder of the team folders (default: $GPUPOOL_TEAM_ROOT, else state/teams)")
+        sub.add_argument("--team-root", default=os.environ.get("GPUPOOL_TEAM_ROOT") or str(default_team_root),
+                         help="folder of the team folders (default: $GPUPOOL_TEAM_ROOT, else the platform's: "
+                              f"{default_team_root})")
         sub.add_argument("--policies", default=os.environ.get("GPUPOOL_POLICIES"),
                          help="policy directory (default: $GPUPOOL_POLICIES, else the shipped policies)")
         sub.add_argument("--registry", help="the registry repository (default: TEAM_ROOT/TEAM/datasets.git)")

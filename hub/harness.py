@@ -19,6 +19,7 @@ from pathlib import Path
 import requests
 import websocket  # websocket-client, a Jupyter Server dependency
 
+from gpupool.policies import defaults
 from gpupool.spawner.pool import AllocationStore
 
 GPUPOOL = Path(sys.executable).parent / "gpupool"
@@ -85,7 +86,7 @@ class Hub:
         (self.state / "jupyterhub_config.d" / "harness.py").write_text(service_config(self.token, extra_config))
         self.team_root = tmp / "teams"
         self.port = free_port_block(5)
-        self.ledger_url = ledger_url or f"sqlite:///{self.state / 'ledger.sqlite'}"
+        self.ledger_url = ledger_url or defaults.ledger_url(self.state)
         self.mlflow_backend_url = mlflow_backend_url
         self.mlflow = mlflow  # tests that do not use MLflow start faster without it
         #: Run `gpupool up` as this ordinary Unix user (the tests run as root) instead of as the tests' user.

@@ -16,7 +16,7 @@ import bcrypt
 import psutil
 
 from gpupool.hub import lifecycle
-from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError, load_policy
+from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError, defaults, load_policy
 from gpupool.spawner.local import UNSAFE_SINGLE_USER
 
 CONFIG_FILE = Path(__file__).with_name("jupyterhub_config.py")
@@ -55,7 +55,7 @@ def up(args: argparse.Namespace) -> int:
     # Whether users' servers can run as their users is checked by jupyterhub_config.py at start, once the extra
     # config files are read too: it refuses to start without this flag when they would run as root.
     unsafe = getattr(args, "unsafe_single_user", False)
-    state = Path(args.state_dir).resolve()
+    state = Path(args.state_dir or defaults.STATE_DIR).resolve()
     state.mkdir(parents=True, exist_ok=True)
     os.chmod(state, 0o700)
     try:
@@ -78,7 +78,7 @@ def up(args: argparse.Namespace) -> int:
         return 1
     password = prepare_state(state, args.admin_password_file)
     url = f"http://{args.ip}:{args.port}/"
-    ledger_url = args.ledger_url or f"sqlite:///{state / 'ledger.sqlite'}"
+    ledger_url = args.ledger_url or defaults.ledger_url(state)
     me = psutil.Process()  # `jupyterhub` replaces this process: same PID, same start time
     running = {"url": url, "pid": me.pid, "started": me.create_time()}
     lifecycle.write_json(state / "hub.json", {**running, "admin": args.admin, "policies": str(policy_dir.resolve()),

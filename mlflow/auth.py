@@ -265,7 +265,7 @@ class Gate:
 
     @property
     def policy(self):
-        from gpupool.spawner.mixin import current_policy
+        from gpupool.policies.reload import current_policy
 
         return current_policy(self.policy_dir, log)
 
@@ -781,12 +781,12 @@ def create_app():
     from jupyterhub.services.auth import HubOAuth
     from mlflow.server.fastapi_app import app as mlflow_app
 
-    from gpupool.policies import DEFAULT_POLICY_DIR
+    from gpupool.policies import DEFAULT_POLICY_DIR, defaults
+    from gpupool.spawner.wiring import MLFLOW_PREFIX
 
-    prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/mlflow/")
+    prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", MLFLOW_PREFIX)
     # Group changes reach MLflow within a minute.
     auth = HubOAuth(api_token=os.environ["JUPYTERHUB_API_TOKEN"], cache_max_age=60)
-    state = os.environ.get("GPUPOOL_STATE_DIR", "state")
     gate = Gate(Stores(), os.environ.get("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR)),
-                os.environ.get("GPUPOOL_LEDGER_URL", f"sqlite:///{state}/ledger.sqlite"))
+                os.environ.get("GPUPOOL_LEDGER_URL") or defaults.ledger_url(defaults.state_dir()))
     return HubGate(mlflow_app, gate, auth, prefix)

@@ -54,8 +54,7 @@ class Viewer:
 def viewer_of(user: dict, policy) -> Viewer:
     """A `Viewer` from a hub user model (name, admin, groups) and the policies (members, reviewers)."""
     name = user["name"]
-    groups = set(user.get("groups") or []) | set(policy.teams_of(name))
-    teams = tuple(t for t in policy.teams if t in groups)
+    teams = tuple(policy.teams_of(name, user.get("groups") or []))
     reviews = frozenset(t for t, team in policy.teams.items() if name in team.reviewers)
     return Viewer(name, bool(user.get("admin")), teams, reviews)
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import os
 
-from mlflow.tracking.context.abstract_context import RunContextProvider
-
 #: Environment variable → run tag.
 RUN_TAGS = {
     "JUPYTERHUB_USER": "gpupool.user",
@@ -20,7 +18,16 @@ RUN_TAGS = {
 }
 
 
-class GPUPoolRunContext(RunContextProvider):
+class GPUPoolRunContext:
+    """The `GPUPOOL_*` tags, as an MLflow `RunContextProvider` (its interface: `in_context`, `tags`).
+
+    Deliberately not a subclass, so that this module imports nothing of MLflow: when it is imported before
+    MLflow, importing MLflow builds the run-context registry, which loads every `mlflow.run_context_provider`
+    entry point while this module would still be importing MLflow, and MLflow would skip the provider with a
+    "partially initialized module … circular import" warning. MLflow's registry only instantiates a provider
+    and calls these two methods.
+    """
+
     def in_context(self) -> bool:
         return "GPUPOOL_TEAM" in os.environ
 

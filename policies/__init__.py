@@ -1,5 +1,14 @@
 """The policy model: GPU models, profiles, teams, quotas, budgets and prices, loaded from `policies/*.yaml`."""
 
+# The repository's folders are the `gpupool.*` packages (setup.cfg's package_dir). Imported under their
+# folder's name (`import policies` with the repository root on sys.path) they would be a second copy of every
+# module in them, with its own state: refused.
+if __name__ != "gpupool.policies":
+    raise ImportError(
+        f"{__name__!r} is gpupool's policies/ folder imported by its folder name: import gpupool.policies "
+        "instead (the folder is installed as gpupool.policies: `make install`, or `pip install -e .`)"
+    )
+
 from pathlib import Path
 
 from gpupool.policies.loader import PolicyError, PolicyProblem, load_policy

@@ -7,6 +7,7 @@ Checks that span several sections (a profile naming a team, a queue's parent) li
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Annotated, Any, Literal
@@ -498,9 +499,11 @@ class Policy(Strict):
         """Profiles any of `teams` may pick, in policy order."""
         return {slug: p for slug, p in self.profiles.items() if set(p.teams) & set(teams)}
 
-    def teams_of(self, user: str) -> list[str]:
-        """Teams whose policy member list names `user` (authenticator-managed teams are not known here)."""
-        return [name for name, team in self.teams.items() if user in team.members]
+    def teams_of(self, user: str, groups: Iterable[str] = ()) -> list[str]:
+        """`user`'s teams in policy order: the hub `groups` that are teams, plus the teams whose member list
+        names `user` (the one membership rule; without `groups` only the policy's member lists count)."""
+        groups = set(groups)
+        return [name for name, team in self.teams.items() if name in groups or user in team.members]
 
     def queue_timeout(self, team: str) -> int:
         return self.teams[team].queue.timeout_seconds or self.settings.queue_timeout_seconds

@@ -6,6 +6,8 @@ Each problem is returned with the path of the offending key so that the loader c
 from __future__ import annotations
 
 from gpupool.policies.model import DNS_LABEL, KNOWN_MIG_PROFILES, RESERVED_TEAM_NAMES, Policy
+# The share translation decides what a profile can be given, so an undeliverable profile is a policy error.
+from gpupool.policies.resources import gpu_resources
 
 Path = tuple[str | int, ...]
 
@@ -14,8 +16,6 @@ MAX_TEAM_NAME = 32
 
 
 def check_references(policy: Policy) -> list[tuple[Path, str]]:
-    from gpupool.spawner.resources import gpu_resources  # the share translation decides what is deliverable
-
     problems: list[tuple[Path, str]] = []
     models = sorted(policy.models)
     teams = sorted(policy.teams)

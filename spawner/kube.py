@@ -23,11 +23,12 @@ from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest, Decision, Holdings
 from gpupool.hub.accounting.ledger import HowEnded
 from gpupool.hub.accounting.notify import admit_now
+from gpupool.policies.choice import Choice
 from gpupool.policies.model import Policy, parse_quantity
+from gpupool.policies.resources import GPUResources, profile_gpu, profile_share
 from gpupool.spawner import podgroups
 from gpupool.spawner.datasets import KUBE_POST_START, KUBE_TEAM_ROOT, kube_env
-from gpupool.spawner.mixin import Choice, GPUPoolSpawnerMixin
-from gpupool.spawner.resources import GPUResources, profile_gpu, profile_share
+from gpupool.spawner.mixin import GPUPoolSpawnerMixin
 from gpupool.spawner.volcano import (
     DEPRIORITIZED_CLASS,
     Release,

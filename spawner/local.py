@@ -28,19 +28,21 @@ from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import AdmissionRequest, Holdings
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
 from gpupool.hub.accounting.notify import admit_now
+from gpupool.policies import defaults
+from gpupool.policies.choice import Choice
 from gpupool.policies.identity import unix_group, unix_user
 from gpupool.policies.model import Policy, parse_quantity
+from gpupool.policies.resources import profile_share
 from gpupool.spawner.accounts import (
     DEFAULT_RECORD, Account, IdentityConflict, ensure_account, is_shared_with_group, share_with_group,
 )
 from gpupool.spawner.datasets import ServerDatasets
-from gpupool.spawner.mixin import Choice, GPUPoolSpawnerMixin
+from gpupool.spawner.mixin import GPUPoolSpawnerMixin
 from gpupool.spawner.pool import (
     AllocationStore, Decide, Denied, LocalPool, QueueTimeout, Request, Verdict, discover_cards, process_alive,
     process_start_time,
 )
 from gpupool.spawner.requeue import requeue
-from gpupool.spawner.resources import profile_share
 
 _pools: dict[str, LocalPool] = {}
 
@@ -295,7 +297,7 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     @default("state_dir")
     def _default_state_dir(self):
-        return os.environ.get("GPUPOOL_STATE_DIR", str(Path.cwd() / "state"))
+        return str(defaults.state_dir())
 
     server_env = Unicode(
         help="""
@@ -341,10 +343,12 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     @default("ledger_url")
     def _default_ledger_url(self):
-        return os.environ.get("GPUPOOL_LEDGER_URL") or f"sqlite:///{Path(self.state_dir) / 'ledger.sqlite'}"
+        return os.environ.get("GPUPOOL_LEDGER_URL") or defaults.ledger_url(self.state_dir)
 
     team_root = Unicode(
-        help="""Folder holding one group-private (2770) folder per team for shared data.
+        help="""Folder holding one group-private (2770) folder per team for shared data. Default: `teams`
+        beside the state folder when servers run as their users (`run_as = "user"`: they cannot enter the
+        0700 state folder), else inside it; `gpupool up` sets it (`--team-root`).
 
             c.LocalGPUSpawner.team_root = "/srv/gpupool/teams"
         """,
@@ -352,7 +356,7 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     @default("team_root")
     def _default_team_root(self):
-        return str(Path(self.state_dir) / "teams")
+        return str(defaults.team_root(self.state_dir, servers_run_as_users=self.run_as == "user"))
 
     identity_record = Unicode(
         DEFAULT_RECORD,

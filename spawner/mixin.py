@@ -1,18 +1,15 @@
 """What every gpupool spawner shares: policies, the profile form, and server-side checks of `user_options`.
 
 Both `LocalGPUSpawner` and the Kubernetes spawner mix this in. A user may send anything through the REST
-API, so every choice is checked here against the profiles of the user's teams: slugs are compared exactly,
-unknown keys are refused, and the error names the valid choices.
+API, so every choice is checked (`gpupool.policies.choice`) against the profiles of the user's teams before
+anything starts; a refusal becomes an HTTP 400 or 403 here.
 """
 
 from __future__ import annotations
 
-import copy
-import hashlib
 import html
 import os
 import socket
-from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy.orm import object_session
@@ -21,86 +18,15 @@ from tornado import web
 from traitlets import Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from gpupool.hub.wiring import SERVER_TOKEN_SCOPES
-from gpupool.policies import DEFAULT_POLICY_DIR, Policy, PolicyError, load_policy
+from gpupool.policies import DEFAULT_POLICY_DIR, Policy
+from gpupool.policies.choice import Choice, ChoiceRefused, check_choice
 from gpupool.policies.identity import server_username_problem
-from gpupool.policies.loader import policy_file_paths
 from gpupool.policies.model import Profile
+from gpupool.policies.reload import current_policy
+from gpupool.policies.resources import profile_share
 from gpupool.spawner.datasets import ServerDatasets, read_credentials_file, server_datasets
-from gpupool.spawner.resources import profile_share
 from gpupool.spawner.usage import UsageLedgerMixin
-
-#: Keys a user may send in `user_options`.
-USER_OPTION_KEYS = ("profile", "image", "team")
-
-#: How much of a value from a request an error message or a log line shows.
-SHOWN_CHARACTERS = 80
-
-_policy_cache: dict[str, tuple[float, Policy]] = {}
-#: Per directory: the stamp of the files last rejected, and the contents already logged as rejected.
-_rejected: dict[str, tuple[float, set[str]]] = {}
-
-
-def shown(value) -> str:
-    """`repr(value)` cut to a readable length: a request can carry a 200 KB value, and errors and logs echo it."""
-    text = repr(value)
-    if len(text) <= SHOWN_CHARACTERS:
-        return text
-    return f"{text[:SHOWN_CHARACTERS]}… ({len(text)} characters)"
-
-
-def shown_list(values) -> str:
-    """Names from a request, each cut by `shown`, and at most a few of them."""
-    values = list(values)
-    names = [v if len(v) <= SHOWN_CHARACTERS else shown(v) for v in map(str, values[:5])]
-    return ", ".join(names) + (f" and {len(values) - 5} more" if len(values) > 5 else "")
-
-
-def _contents_digest(files) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(files):
-        digest.update(str(path).encode() + b"\0")
-        try:
-            digest.update(path.read_bytes())
-        except OSError:
-            pass
-        digest.update(b"\0")
-    return digest.hexdigest()
-
-
-def current_policy(directory: str | Path, log=None) -> Policy:
-    """The policy in `directory`, re-read when a file changes; an invalid edit keeps the last valid policy.
-
-    A rejected edit is logged once per distinct content (not on every read while it stays on disk).
-    """
-    directory = str(directory)
-    files = policy_file_paths(directory)
-    stamp = max((f.stat().st_mtime_ns for f in files), default=0) + len(files)
-    cached = _policy_cache.get(directory)
-    if cached and cached[0] == stamp:
-        return cached[1]
-    rejected_stamp, logged = _rejected.get(directory, (None, set()))
-    if cached and rejected_stamp == stamp:
-        return cached[1]
-    try:
-        policy = load_policy(directory)
-    except PolicyError as error:
-        if cached is None:
-            raise
-        digest = _contents_digest(files)
-        if log and digest not in logged:
-            log.error("Policy change in %s rejected, keeping the previous policy:\n%s", directory, error)
-        logged.add(digest)
-        _rejected[directory] = (stamp, logged)
-        return cached[1]
-    _policy_cache[directory] = (stamp, policy)
-    return policy
-
-
-def teams_of(policy: Policy, user: str, groups) -> list[str]:
-    """`user`'s teams in policy order: hub `groups` that are policy teams, plus the policy's member lists."""
-    groups = set(groups)
-    return [name for name, team in policy.teams.items() if name in groups or user in team.members]
+from gpupool.spawner.wiring import SERVER_TOKEN_SCOPES
 
 
 def mlflow_env(url: str, token: str, team: str | None) -> dict[str, str]:
@@ -110,16 +36,6 @@ def mlflow_env(url: str, token: str, team: str | None) -> dict[str, str]:
     if team:
         env["MLFLOW_EXPERIMENT_NAME"] = team
     return env
-
-
-@dataclass(frozen=True)
-class Choice:
-    """A checked choice: the profile (a private copy), the team it is charged to, the image."""
-
-    slug: str
-    profile: Profile
-    team: str
-    image: str | None
 
 
 class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
@@ -210,7 +126,7 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
 
     def user_teams(self) -> list[str]:
         """The user's teams, in policy order: hub groups that are policy teams, plus policy member lists."""
-        return teams_of(self.policy, self.user.name, [g.name for g in getattr(self.user, "groups", [])])
+        return self.policy.teams_of(self.user.name, [g.name for g in getattr(self.user, "groups", [])])
 
     def available_profiles(self) -> dict[str, Profile]:
         return self.policy.profiles_for_teams(set(self.user_teams()))
@@ -308,7 +224,10 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
 
     def check_user_options(self, options: dict) -> Choice:
         """A `Choice` from untrusted `options`, or an HTTP 400/403 naming what is wrong and what is accepted."""
-        return check_choice(self.policy, self.user.name, self.user_teams(), options)
+        try:
+            return check_choice(self.policy, self.user.name, self.user_teams(), options)
+        except ChoiceRefused as refused:
+            raise web.HTTPError(403 if refused.forbidden else 400, refused.message) from None
 
     def server_datasets(self, team_root: str, kubernetes: bool = False) -> ServerDatasets:
         """The DVC remotes of this server (default: the team it is charged to) and how to reach them."""
@@ -336,48 +255,3 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
 
 def _resolved(choice: Choice) -> dict:
     return {"profile": choice.slug, "team": choice.team, **({"image": choice.image} if choice.image else {})}
-
-
-def check_choice(policy: Policy, user: str, teams: list[str], options) -> Choice:
-    """A `Choice` from untrusted `options` of `user` in `teams`, or an HTTP 400/403 naming what is accepted.
-
-    The one check of a server's options: the spawners run it before a start, the accounting service on
-    the options the hub shows for a server it did not see start.
-    """
-    if not isinstance(options, dict):
-        raise web.HTTPError(400, "user_options must be an object with keys: " + ", ".join(USER_OPTION_KEYS))
-    unknown = sorted(set(options) - set(USER_OPTION_KEYS))
-    if unknown:
-        raise web.HTTPError(
-            400, f"Unknown user option(s): {shown_list(unknown)}. Accepted keys: {', '.join(USER_OPTION_KEYS)}"
-        )
-    if not teams:
-        raise web.HTTPError(
-            403, f"{user} is in no team, so no profile can be started; an administrator adds "
-                 "people with `gpupool team add-member TEAM USER`"
-        )
-    profiles = policy.profiles_for_teams(set(teams))
-    slug = options.get("profile")
-    if slug is None:
-        slug = next((s for s, p in profiles.items() if p.default), next(iter(profiles)))
-    if not isinstance(slug, str) or slug not in profiles:
-        raise web.HTTPError(
-            400, f"No such profile: {shown(slug)}. Options include: {', '.join(profiles)}"
-        )
-    profile = copy.deepcopy(profiles[slug])
-    team = options.get("team")
-    allowed = [t for t in teams if t in profile.teams]
-    if team is None:
-        team = allowed[0]
-    elif not isinstance(team, str) or team not in allowed:
-        raise web.HTTPError(
-            400, f"Team {shown(team)} cannot be charged for {slug}. Options include: {', '.join(allowed)}"
-        )
-    image = options.get("image")
-    if image is not None and (not isinstance(image, str) or image not in profile.images):
-        raise web.HTTPError(
-            400, f"No such image for {slug}: {shown(image)}. Options include: {', '.join(profile.images) or 'none'}"
-        )
-    if image is None and profile.images:
-        image = next((i for i, img in profile.images.items() if img.default), next(iter(profile.images)))
-    return Choice(slug, profile, team, image)

@@ -16,7 +16,7 @@ from traitlets.config import LoggingConfigurable
 
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import HowEnded, Ledger, run_key
-from gpupool.spawner.resources import profile_share
+from gpupool.policies.resources import profile_share
 
 # In the hub process this joins JupyterHub's own metrics at /hub/metrics (the default registry).
 LEDGER_WRITE_ERRORS = Counter("gpupool_ledger_write_errors", "Usage ledger writes that failed", ["operation"])

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from gpupool.hub.wiring import ACCOUNTING_SERVICE, MLFLOW_SERVICE, service_roles, team_groups
 from gpupool.policies.model import DNS_LABEL, Policy
+from gpupool.spawner.wiring import ACCOUNTING_SERVICE, MLFLOW_SERVICE, mlflow_url, service_roles, team_groups
 
 QUEUE_API_VERSION = "scheduling.volcano.sh/v1beta1"
 PRIORITY_CLASS_API_VERSION = "scheduling.k8s.io/v1"
@@ -31,12 +31,12 @@ SPAWNER_CLASS = "gpupool.spawner.kube.GPUKubeSpawner"
 POLICY_DIR = "/etc/gpupool/policies"
 POLICY_VOLUME = "gpupool-policies"
 #: The port of the accounting service's Deployment (helm/gpupool/templates/accounting.yaml); its name and
-#: roles are the embedded mode's (gpupool.hub.wiring).
+#: roles are the embedded mode's (gpupool.spawner.wiring).
 ACCOUNTING_PORT = 8080
 #: The port of the MLflow Service (helm/gpupool values `mlflow.port`).
 MLFLOW_PORT = 5000
 #: Where user pods reach MLflow: through z2jh's proxy Service, behind the hub login.
-MLFLOW_URL = f"http://proxy-public/services/{MLFLOW_SERVICE}/"
+MLFLOW_URL = mlflow_url("http://proxy-public/")
 
 DEVICE_PLUGIN_CONFIG_LABEL = "nvidia.com/device-plugin.config"
 DEFAULT_DEVICE_PLUGIN_NAMESPACE = "gpu-operator"

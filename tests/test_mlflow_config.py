@@ -7,7 +7,7 @@ import os
 from traitlets.config import Config
 
 from gpupool.hub.config import Settings, apply_config
-from gpupool.hub.wiring import SERVER_TOKEN_SCOPES
+from gpupool.spawner.wiring import SERVER_TOKEN_SCOPES
 from gpupool.spawner.mixin import GPUPoolSpawnerMixin, mlflow_env
 
 

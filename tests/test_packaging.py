@@ -90,9 +90,11 @@ def test_editable_install_maps_every_subpackage():
     import gpupool.hub
     import gpupool.mlflow.run_context
     import gpupool.policies
-    import gpupool.spawner.resources
+    import gpupool.policies.resources
+    import gpupool.spawner.pool
 
     assert Path(gpupool.hub.__file__) == ROOT / "hub" / "__init__.py"
     assert Path(gpupool.policies.__file__) == ROOT / "policies" / "__init__.py"
-    assert Path(gpupool.spawner.resources.__file__) == ROOT / "spawner" / "resources.py"
+    assert Path(gpupool.policies.resources.__file__) == ROOT / "policies" / "resources.py"
+    assert Path(gpupool.spawner.pool.__file__) == ROOT / "spawner" / "pool.py"
     assert Path(gpupool.mlflow.run_context.__file__) == ROOT / "mlflow" / "run_context.py"

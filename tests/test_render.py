@@ -25,7 +25,7 @@ import yaml
 from gpupool.hub.cli import main
 from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR, load_policy
 from gpupool.spawner import volcano
-from gpupool.spawner.resources import profile_gpu
+from gpupool.policies.resources import profile_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
 VOLCANO_SCHEMAS = Path(__file__).resolve().parents[2] / "shared" / "schemas" / "volcano"

@@ -8,7 +8,7 @@ import pytest
 
 from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR, load_policy
 from gpupool.policies.model import GPUModel, GPURequest
-from gpupool.spawner.resources import card_share, gpu_resources, profile_gpu, profile_share
+from gpupool.policies.resources import card_share, gpu_resources, profile_gpu, profile_share
 
 NVIDIA_TAINT = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 

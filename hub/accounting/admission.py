@@ -1,7 +1,8 @@
 """Admission: may this request for a GPU share start now? A pure function of the policy and the numbers.
 
-`decide()` does no I/O; both spawners call it (through `Ledger.admit`, which gathers the numbers and
-records the outcome in one locked transaction). Two limits, never confused:
+`decide()` does no I/O. Both spawners call it through `notify.admit_now`, which reads the period's usage
+from the ledger and sends the alerts; `Ledger.admit` decides and opens the interval in one locked
+transaction, but no spawner calls it yet (only its tests do). Two limits, never confused:
 
 - the **concurrent quota** (`quota.gpus`, `quota.per_user_gpus`, `quota.per_model`: shares held at once)
   is full → `wait` in the queue; a request larger than the quota itself could never start → `deny`;
@@ -35,7 +36,7 @@ from gpupool.hub.accounting.periods import (
     period_reset,
 )
 from gpupool.policies.model import Policy, Team
-from gpupool.spawner.resources import profile_share
+from gpupool.policies.resources import profile_share
 
 #: The priority of deprioritized work: below every team (team priorities are 0 or more).
 LOWEST_PRIORITY = -1

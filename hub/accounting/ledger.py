@@ -15,10 +15,11 @@ up to "now" in the current period without being rewritten, and the clipping is e
 Sums are exact: times are whole seconds, shares a numerator and denominator, and SQL adds
 `seconds × numerator` per denominator in integers; the result becomes a `Fraction` of GPU-hours.
 
-Admission goes through `admit()`, which decides (with the pure `admission.decide`) and opens the
-interval in one transaction holding the team's admission lock (`BEGIN IMMEDIATE` on SQLite, `SELECT …
-FOR UPDATE` on the team's lock row on PostgreSQL), so concurrent requests for the last share or the
-last GPU-hour cannot all be admitted.
+`admit()` decides (with the pure `admission.decide`) and opens the interval in one transaction holding
+the team's admission lock (`BEGIN IMMEDIATE` on SQLite, `SELECT … FOR UPDATE` on the team's lock row on
+PostgreSQL), so concurrent requests for the last share or the last GPU-hour cannot all be admitted. The
+spawners do not call it yet: they decide through `notify.admit_now` and open the interval when the
+server runs (`spawner/usage.py`).
 """
 
 from __future__ import annotations

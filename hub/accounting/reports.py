@@ -7,7 +7,6 @@ by `charts.py`.
 
 from __future__ import annotations
 
-from collections import Counter
 from datetime import datetime, timedelta
 from decimal import Decimal
 from fractions import Fraction
@@ -17,17 +16,9 @@ from gpupool.hub.accounting.admission import format_hours
 from gpupool.hub.accounting.bills import amount, unit_price
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.policies.model import Policy
-from gpupool.spawner.pool import discover_cards
 
 #: The most consumers a report lists.
 MAX_TOP = 100
-
-
-def capacity_of(policy: Policy) -> dict[str, int]:
-    """Cards per GPU model: NVML's when a driver is present here, else the policy's declared inventory."""
-    cards, _source = discover_cards(policy)
-    found = Counter(card.model for card in cards)
-    return {model: found.get(model, 0) for model in policy.models}
 
 
 def days_of(period: str, now: datetime) -> list[tuple[datetime, datetime]]:

@@ -12,13 +12,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 import requests
-from tornado import web
 
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import Ledger, RunResult, run_key
+from gpupool.policies.choice import ChoiceRefused, check_choice
 from gpupool.policies.model import Policy
-from gpupool.spawner.mixin import check_choice, teams_of
-from gpupool.spawner.resources import profile_share
+from gpupool.policies.resources import profile_share
 
 #: Users per page asked of the hub (JupyterHub's default maximum page size is 200).
 PAGE = 200
@@ -85,10 +84,10 @@ def reconcile(ledger: Ledger, policy: Policy, servers: list[HubServer], groups: 
             ledger.heartbeat_run(server.run, asked_at)
             continue
         try:
-            choice = check_choice(policy, server.user, teams_of(policy, server.user, groups.get(server.user, [])),
+            choice = check_choice(policy, server.user, policy.teams_of(server.user, groups.get(server.user, [])),
                                   dict(server.user_options))
-        except web.HTTPError as error:
-            done.unknown[server.run] = error.log_message or str(error)
+        except ChoiceRefused as refused:
+            done.unknown[server.run] = refused.message
             continue
         if choice.profile.gpu is None:
             continue  # CPU only: nothing to account

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+from collections import Counter
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -31,6 +32,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from markupsafe import Markup
 from tornado import ioloop, web
+from traitlets import Bool, Float, Integer, List, Unicode, default
+from traitlets.config import Application
 
 from gpupool.hub import __version__
 from gpupool.hub.accounting import charts, periods
@@ -38,12 +41,15 @@ from gpupool.hub.accounting.admission import format_hours, format_share, reached
 from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.reports import (
-    MAX_TOP, capacity_of, daily_utilisation, queue_waits, running_servers, team_daily, top_consumers, user_usage,
+    MAX_TOP, daily_utilisation, queue_waits, running_servers, team_daily, top_consumers, user_usage,
 )
 from gpupool.hub.accounting.servers import HubClient, reconcile_with_hub
 from gpupool.hub.datasets import DatasetError, human_size, team_datasets, team_registry
-from gpupool.policies import DEFAULT_POLICY_DIR
-from gpupool.spawner.mixin import current_policy
+from gpupool.policies import DEFAULT_POLICY_DIR, defaults
+from gpupool.policies.model import Policy
+from gpupool.policies.reload import current_policy
+from gpupool.spawner.pool import discover_cards
+from gpupool.spawner.wiring import ACCOUNTING_SERVICE
 
 log = logging.getLogger("gpupool.accounting")
 
@@ -157,8 +163,7 @@ class AccountingHandler(HubOAuthenticated, web.RequestHandler):
     def viewer(self) -> Viewer:
         user = self.current_user
         policy = self.policy
-        groups = set(user.get("groups") or []) | set(policy.teams_of(user["name"]))
-        teams = frozenset(g for g in groups if g in policy.teams)
+        teams = frozenset(policy.teams_of(user["name"], user.get("groups") or []))
         leads = frozenset(t for t, team in policy.teams.items() if user["name"] in team.leads)
         return Viewer(user["name"], bool(user.get("admin")), teams, leads)
 
@@ -283,6 +288,13 @@ def utilisation(ledger: Ledger, policy, period: str) -> dict[str, dict[str, str]
         result[model] = {"allocated_gpu_hours": _hours(used), "capacity_gpu_hours": _hours(capacity),
                          "utilisation": f"{float(used / capacity):.4f}" if capacity else "0"}
     return result
+
+
+def capacity_of(policy: Policy) -> dict[str, int]:
+    """Cards per GPU model: NVML's when a driver is present here, else the policy's declared inventory."""
+    cards, _source = discover_cards(policy)
+    found = Counter(card.model for card in cards)
+    return {model: found.get(model, 0) for model in policy.models}
 
 
 def admin_report(ledger: Ledger, policy, period: str, top: int) -> dict:
@@ -619,7 +631,7 @@ class OpenAPIHandler(web.RequestHandler):
         self.finish(json.dumps(OPENAPI))
 
 
-def make_app(ledger: Ledger, policy_dir: str, prefix: str, team_root: str = "teams", base_url: str = "/",
+def make_app(ledger: Ledger, policy_dir: str, prefix: str, team_root: str, base_url: str = "/",
              nav_services: tuple[str, ...] = ("accounting",)) -> web.Application:
     """The service's routes; `base_url` is the hub's (its pages are at `{base_url}hub/`), `nav_services` the
     services the hub's navigation bar lists for every user."""
@@ -682,36 +694,220 @@ def reconcile_once(ledger: Ledger, policy_of, hub: HubClient | None, stale: time
         log.exception("reconciliation of stale intervals failed")
 
 
-def main() -> None:
+def _env(name: str, fallback: str) -> str:
+    """An environment variable, empty counting as unset: the documented fallback of a trait."""
+    return os.environ.get(name) or fallback
+
+
+class AccountingService(Application):
+    """`python -m gpupool.hub.accounting.service`: the accounting service's settings, and the service itself.
+
+    Configured like JupyterHub's own services: traits with help (`--help-all`), a config file (`--config`),
+    `--generate-config`, command-line aliases. Each trait falls back to the environment variable its help
+    names (what the hub gives a managed service, and what `gpupool up` and the Helm chart set), then to the
+    platform's default.
+    """
+
+    name = "gpupool-accounting"
+    description = "The gpupool accounting service: usage, budgets, bills and metrics behind the hub login."
+    examples = """
+    python -m gpupool.hub.accounting.service --generate-config > accounting_config.py
+    python -m gpupool.hub.accounting.service --config accounting_config.py
+    python -m gpupool.hub.accounting.service --ledger-url postgresql+psycopg://gpupool@db/gpupool
+    """
+    aliases = {
+        "config": "AccountingService.config_file",
+        "state-dir": "AccountingService.state_dir",
+        "ledger-url": "AccountingService.ledger_url",
+        "policies": "AccountingService.policy_dir",
+        "team-root": "AccountingService.team_root",
+        "url": "AccountingService.service_url",
+        "reconcile-seconds": "AccountingService.reconcile_seconds",
+        "reconcile-stale-seconds": "AccountingService.reconcile_stale_seconds",
+        "log-level": "Application.log_level",
+    }
+    flags = {
+        "generate-config": ({"AccountingService": {"generate_config": True}},
+                            "print a config file with every setting and its help, then exit"),
+    }
+
+    config_file = Unicode(
+        "",
+        help="""A Python config file to load (`c.AccountingService.ledger_url = …`); none by default.""",
+    ).tag(config=True)
+
+    generate_config = Bool(
+        False, help="""Print a config file with every setting and its help, then exit.""",
+    ).tag(config=True)
+
+    state_dir = Unicode(
+        help="""
+        The platform's state folder: where the ledger and the team folders are when they are not set.
+        Default: `$GPUPOOL_STATE_DIR`, else `./state`.
+        """,
+    ).tag(config=True)
+
+    @default("state_dir")
+    def _default_state_dir(self):
+        return str(defaults.state_dir())
+
+    ledger_url = Unicode(
+        help="""
+        The usage ledger: `sqlite:///PATH` or `postgresql+psycopg://USER@HOST:PORT/DATABASE`, the same as
+        the spawner's. Default: `$GPUPOOL_LEDGER_URL`, else an SQLite file in the state folder.
+        """,
+    ).tag(config=True)
+
+    @default("ledger_url")
+    def _default_ledger_url(self):
+        return _env("GPUPOOL_LEDGER_URL", defaults.ledger_url(self.state_dir))
+
+    policy_dir = Unicode(
+        help="""
+        The policy folder (teams, quotas, budgets, prices), re-read when its files change. Default:
+        `$GPUPOOL_POLICIES`, else the policies shipped with gpupool.
+        """,
+    ).tag(config=True)
+
+    @default("policy_dir")
+    def _default_policy_dir(self):
+        return _env("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR))
+
+    team_root = Unicode(
+        help="""
+        The teams' folders, whose dataset registries the Datasets tab lists (the spawner's `team_root`).
+        Default: `$GPUPOOL_TEAM_ROOT`, else `teams` beside the state folder as root, inside it otherwise.
+        """,
+    ).tag(config=True)
+
+    @default("team_root")
+    def _default_team_root(self):
+        return _env("GPUPOOL_TEAM_ROOT", str(defaults.team_root(self.state_dir)))
+
+    nav_services = List(
+        Unicode(),
+        help="""
+        The services the pages' navigation bar lists for every user, as the hub's own pages do. Default:
+        `$GPUPOOL_NAV_SERVICES` (comma-separated), else `accounting`.
+        """,
+    ).tag(config=True)
+
+    @default("nav_services")
+    def _default_nav_services(self):
+        return [n for n in _env("GPUPOOL_NAV_SERVICES", ACCOUNTING_SERVICE).split(",") if n]
+
+    reconcile_seconds = Float(
+        help="""
+        Seconds between two reconciliations of the ledger with the servers the hub runs. Default:
+        `$GPUPOOL_RECONCILE_SECONDS`, else 60.
+        """,
+    ).tag(config=True)
+
+    @default("reconcile_seconds")
+    def _default_reconcile_seconds(self):
+        return float(_env("GPUPOOL_RECONCILE_SECONDS", "60"))
+
+    reconcile_stale_seconds = Integer(
+        help="""
+        An open interval nobody (spawner heartbeat or hub) has seen for this long is closed at its last
+        heartbeat. Default: `$GPUPOOL_RECONCILE_STALE_SECONDS`, else 300.
+        """,
+    ).tag(config=True)
+
+    @default("reconcile_stale_seconds")
+    def _default_reconcile_stale_seconds(self):
+        return int(_env("GPUPOOL_RECONCILE_STALE_SECONDS", "300"))
+
+    service_url = Unicode(
+        help="""
+        Where the service listens, as the hub knows it (127.0.0.1 on one machine, 0.0.0.0 in a pod).
+        Default: `$JUPYTERHUB_SERVICE_URL` (the hub sets it for a managed service), else
+        `http://127.0.0.1:8003`.
+        """,
+    ).tag(config=True)
+
+    @default("service_url")
+    def _default_service_url(self):
+        return _env("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:8003")
+
+    service_prefix = Unicode(
+        help="""
+        The URL prefix of the service's pages and API. Default: `$JUPYTERHUB_SERVICE_PREFIX` (set by the
+        hub), else `/services/accounting/`.
+        """,
+    ).tag(config=True)
+
+    @default("service_prefix")
+    def _default_service_prefix(self):
+        return _env("JUPYTERHUB_SERVICE_PREFIX", f"/services/{ACCOUNTING_SERVICE}/")
+
+    hub_base_url = Unicode(
+        help="""The hub's base URL (its pages are at `{base_url}hub/`). Default: `$JUPYTERHUB_BASE_URL`, else `/`.""",
+    ).tag(config=True)
+
+    @default("hub_base_url")
+    def _default_hub_base_url(self):
+        return _env("JUPYTERHUB_BASE_URL", "/")
+
+    hub_api_url = Unicode(
+        help="""
+        The hub's REST API, asked which servers run (reconciliation). Default: `$JUPYTERHUB_API_URL` (set
+        by the hub); empty: no reconciliation with the hub, only stale intervals are closed.
+        """,
+    ).tag(config=True)
+
+    @default("hub_api_url")
+    def _default_hub_api_url(self):
+        return os.environ.get("JUPYTERHUB_API_URL", "")
+
+    def initialize(self, argv=None):
+        self.parse_command_line(argv)
+        if self.config_file:
+            self.load_config_file(self.config_file)
+            self.update_config(self.cli_config)  # the command line wins over the file
+
+    def start(self):
+        if self.generate_config:
+            print(self.generate_config_file(), end="")
+            return
+        ledger = Ledger(self.ledger_url)
+        app = make_app(ledger, self.policy_dir, self.service_prefix, self.team_root, self.hub_base_url,
+                       tuple(self.nav_services))
+        parsed = urlparse(self.service_url)
+        host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
+        stale = timedelta(seconds=self.reconcile_stale_seconds)
+        # The service's own API token: the hub gives it to a managed service in the environment only.
+        token = os.environ.get("JUPYTERHUB_API_TOKEN")
+        hub = HubClient(self.hub_api_url, token) if self.hub_api_url and token else None
+        policy_dir = app.settings["policy_dir"]
+
+        async def reconcile():
+            await asyncio.to_thread(reconcile_once, ledger, lambda: current_policy(policy_dir, log), hub, stale)
+
+        ioloop.IOLoop.current().add_callback(reconcile)  # at once: the hub may have run servers while we were down
+        ioloop.PeriodicCallback(reconcile, self.reconcile_seconds * 1000).start()
+        app.listen(port, host)
+        log.info("gpupool-accounting at %s%s", self.service_url, self.service_prefix)
+        ioloop.IOLoop.current().start()
+
+
+def config_reference() -> str:
+    """The Markdown table of every setting of the service, from the traits (docs/accounting-service.md)."""
+    aliases = {target.split(".")[-1]: name for name, target in AccountingService.aliases.items()
+               if target.startswith("AccountingService.")}
+    rows = ["| setting | command line | type | what it is |", "|---|---|---|---|"]
+    for name, trait in sorted(AccountingService.class_own_traits(config=True).items()):
+        flag = f"`--{aliases[name]}`" if name in aliases else ("`--generate-config`" if name == "generate_config" else "")
+        help_text = " ".join(trait.help.split()).replace("|", "\\|")
+        rows.append(f"| `c.AccountingService.{name}` | {flag} | {type(trait).__name__} | {help_text} |")
+    return "\n".join(rows)
+
+
+def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="[%(levelname)s %(asctime)s accounting] %(message)s")
-    state = Path(os.environ.get("GPUPOOL_STATE_DIR", "state"))
-    ledger = Ledger(os.environ.get("GPUPOOL_LEDGER_URL", f"sqlite:///{state / 'ledger.sqlite'}"))
-    prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/accounting/")
-    # The team folders (and their dataset registries): LocalGPUSpawner.team_root's default, or as configured.
-    team_root = os.environ.get("GPUPOOL_TEAM_ROOT", str(state / "teams"))
-    # The navigation bar lists the services every user may open, as the hub's own pages do.
-    nav = tuple(n for n in os.environ.get("GPUPOOL_NAV_SERVICES", "accounting").split(",") if n)
-    app = make_app(ledger, os.environ.get("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR)), prefix, team_root,
-                   os.environ.get("JUPYTERHUB_BASE_URL", "/"), nav)
-    url = os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:8003")
-    # Listen where the hub says the service is: 127.0.0.1 on one machine, 0.0.0.0 in a pod.
-    parsed = urlparse(url)
-    host, port = parsed.hostname or "127.0.0.1", parsed.port or 80
-
-    stale = timedelta(seconds=int(os.environ.get("GPUPOOL_RECONCILE_STALE_SECONDS", "300")))
-    every = float(os.environ.get("GPUPOOL_RECONCILE_SECONDS", "60"))
-    api_url, token = os.environ.get("JUPYTERHUB_API_URL"), os.environ.get("JUPYTERHUB_API_TOKEN")
-    hub = HubClient(api_url, token) if api_url and token else None
-    policy_dir = app.settings["policy_dir"]
-
-    async def reconcile():
-        await asyncio.to_thread(reconcile_once, ledger, lambda: current_policy(policy_dir, log), hub, stale)
-
-    ioloop.IOLoop.current().add_callback(reconcile)  # at once: the hub may have run servers while we were down
-    ioloop.PeriodicCallback(reconcile, every * 1000).start()
-    app.listen(port, host)
-    log.info("gpupool-accounting at %s%s", url, prefix)
-    ioloop.IOLoop.current().start()
+    service = AccountingService()
+    service.initialize(argv)
+    service.start()
 
 
 if __name__ == "__main__":

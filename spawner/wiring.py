@@ -16,6 +16,8 @@ ACCOUNTING_ROLE = "gpupool-accounting"
 #: servers run with which options (`read:servers` shows `started` and `user_options`, never their state).
 ACCOUNTING_SCOPES = ("list:groups", "read:groups", "list:users", "read:servers")
 MLFLOW_SERVICE = "mlflow"
+#: Where the hub's proxy serves the MLflow service (behind the hub login), in both modes.
+MLFLOW_PREFIX = f"/services/{MLFLOW_SERVICE}/"
 MLFLOW_ROLE = "gpupool-mlflow"
 #: The MLflow service needs no hub scope: the identity of each caller's token (name, admin, groups) comes with
 #: the token itself, and teams and reviewers come from the policies.
@@ -23,6 +25,11 @@ MLFLOW_SCOPES: tuple[str, ...] = ()
 #: What a user server's own API token ($JUPYTERHUB_API_TOKEN, also $MLFLOW_TRACKING_TOKEN) may do: JupyterHub's
 #: default `server` role, plus calling the MLflow service.
 SERVER_TOKEN_SCOPES = ("users:activity!user", "access:servers!server", f"access:services!service={MLFLOW_SERVICE}")
+
+
+def mlflow_url(public_url: str) -> str:
+    """The MLflow service as user servers reach it: through the hub's public proxy at `public_url`."""
+    return public_url.rstrip("/") + MLFLOW_PREFIX
 
 
 def team_groups(policy: Policy) -> dict[str, dict[str, Any]]:
