@@ -38,7 +38,8 @@ from gpupool.hub.accounting.admission import format_hours, format_share, reached
 from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.reports import (
-    MAX_TOP, capacity_of, daily_utilisation, queue_waits, running_servers, team_daily, top_consumers, user_usage,
+    MAX_TOP, capacity_of, daily_utilisation, money, queue_waits, running_servers, server_label, team_daily, top_consumers,
+    user_usage,
 )
 from gpupool.hub.accounting.servers import HubClient, reconcile_with_hub
 from gpupool.hub.datasets import DatasetError, human_size, team_datasets, team_registry
@@ -322,10 +323,6 @@ def hours_text(hours: Fraction) -> str:
     return format_hours(hours)
 
 
-def money(value: Decimal | str, currency: str) -> str:
-    return f"{Decimal(value):,.2f} {currency}"
-
-
 def percent(used: Fraction, of: Fraction) -> str:
     """A share of a budget for people: 0.15 %, 7.5 %, 100 %."""
     value = float(used / of * 100) if of else 0.0
@@ -559,7 +556,7 @@ class PageHandler(AccountingHandler):
                     "GPU-h", limit=float(budget) if budget else None)),
             })
         running = [{**server, "cost": money(server["cost"], currency), "share": format_share(Fraction(server["share"])),
-                    "since": server["since"][:16].replace("T", " ")}
+                    "since": server["since"][:16].replace("T", " "), "server": server_label(server["server"])}
                    for server in running_servers(self.ledger, policy, viewer.name, periods.utcnow())]
         self.render_page(
             "usage.html", f"Your GPU usage, {name}", "usage", period_name=name, alerts=alerts, teams=teams,
