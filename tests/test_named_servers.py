@@ -9,6 +9,8 @@ user's own token, as a person's scripts would.
 from __future__ import annotations
 
 import re
+import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
@@ -19,7 +21,7 @@ from traitlets.config import Config
 from gpupool.hub.accounting.ledger import Ledger, run_server
 from gpupool.hub.accounting.periods import period_bounds, period_of, utcnow
 from gpupool.hub.config import Settings, apply_config, named_server_limit
-from gpupool.hub.harness import Hub
+from gpupool.hub.harness import Browser, Hub
 from gpupool.hub.wiring import sharing_roles
 from gpupool.policies import load_policy
 from gpupool.policies.sharing import SHARE_CODES_REFUSED, share_refusal
@@ -129,6 +131,7 @@ def hub(tmp_path_factory, policy):
             process.kill()
 
 
+SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
 TEAMS = {"alice": "vision", "bob": "vision", "carol": "nlp", "dave": "solo"}
 
 
@@ -242,6 +245,30 @@ def test_the_home_page_the_ledger_and_the_usage_page_show_each_server(hub, sessi
     assert running["server"] == "train" and running["profile"] == "h200-quarter"
     usage = as_user(hub, alice, "GET", "/services/accounting/", headers={"Accept": "text/html"})
     assert usage.status_code == 200 and '<tr data-server="train"><td>train</td>' in usage.text, usage.text[-3000:]
+
+
+def test_the_home_page_in_a_browser(hub, sessions):
+    """alice's home page in headless Chromium, with her two servers; its screenshot goes into docs/screenshots/."""
+    chromium, driver = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
+    if not chromium or not driver:
+        pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver)")
+    browser = Browser(chromium, driver)
+    try:
+        browser.get(f"{hub.url}/hub/login")  # cookies are set for the page's site: open one of the hub's first
+        for cookie in sessions["alice"].cookies:
+            browser.driver.add_cookie({"name": cookie.name, "value": cookie.value, "path": cookie.path or "/"})
+        browser.start_recording()
+        browser.get(f"{hub.url}/hub/home")
+        text = browser.wait_for_text("Your running servers")
+        browser.wait_network_idle()
+        assert "notebook" in text and "train" in text and "CPU only" in text and "0.25 × H200" in text, text
+        assert not browser.failed_requests(), browser.failed_requests()
+        assert not browser.console_errors(), browser.console_errors()
+        height = browser.driver.execute_script("return document.documentElement.scrollHeight")
+        browser.driver.set_window_size(1400, max(900, min(height + 120, 3000)))  # the whole page
+        browser.screenshot(SCREENSHOTS / "home-named-servers.png")
+    finally:
+        browser.quit()
 
 
 def test_sharing_is_off_unless_the_team_allows_it(hub, tokens):

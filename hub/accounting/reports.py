@@ -80,6 +80,13 @@ def top_consumers(ledger: Ledger, period: str, limit: int, team: str | None = No
     return [{"team": t, "user": u, "gpu_hours": format_hours(hours)} for (t, u), hours in ranked]
 
 
+def hours_text(hours: Fraction) -> str:
+    """GPU-hours on a page: two decimals, or three significant digits below 0.01 so a short run is not "0"."""
+    if 0 < hours < Fraction(1, 100):
+        return f"{float(hours):.3g}"
+    return format_hours(hours)
+
+
 def money(value: Decimal | str, currency: str) -> str:
     """An amount for people: `1,234.50 EUR`."""
     return f"{Decimal(value):,.2f} {currency}"
@@ -111,7 +118,7 @@ def running_servers(ledger: Ledger, policy: Policy, user: str, now: datetime | N
             "key": interval.run or interval.key, "server": run_server(interval.run) if interval.run else None,
             "team": interval.team, "profile": interval.profile,
             "model": interval.model, "share": str(interval.share), "since": pieces[0].start.isoformat(),
-            "gpu_hours": format_hours(hours), "cost": str(amount(hours, price)),
+            "gpu_hours": hours_text(hours), "cost": str(amount(hours, price)),
         })
     return running
 

@@ -38,8 +38,8 @@ from gpupool.hub.accounting.admission import format_hours, format_share, reached
 from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.reports import (
-    MAX_TOP, capacity_of, daily_utilisation, money, queue_waits, running_servers, server_label, team_daily, top_consumers,
-    user_usage,
+    MAX_TOP, capacity_of, daily_utilisation, hours_text, money, queue_waits, running_servers, server_label, team_daily,
+    top_consumers, user_usage,
 )
 from gpupool.hub.accounting.servers import HubClient, reconcile_with_hub
 from gpupool.hub.datasets import DatasetError, human_size, team_datasets, team_registry
@@ -314,13 +314,6 @@ def team_report(ledger: Ledger, policy, team: str, period: str, top: int, member
 
 
 # --- the pages: the same figures as the JSON routes, for people ---------------------------------------------
-
-
-def hours_text(hours: Fraction) -> str:
-    """GPU-hours on a page: two decimals, or three significant digits below 0.01 so a short run is not "0"."""
-    if 0 < hours < Fraction(1, 100):
-        return f"{float(hours):.3g}"
-    return format_hours(hours)
 
 
 def percent(used: Fraction, of: Fraction) -> str:
