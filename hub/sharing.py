@@ -31,9 +31,12 @@ class TeamShareAPIHandler(ServerShareAPIHandler):
         return await super().post(user_name, server_name)
 
     def check_team(self, user_name: str, server_name: str) -> None:
+        body = self.get_json_body() or {}
+        if not isinstance(body, dict):  # JupyterHub's own handler would fail on it with a 500
+            raise web.HTTPError(400, 'the body must be a JSON object: {"user": NAME} or {"group": NAME}')
         try:
-            request = ShareGrantRequest(**(self.get_json_body() or {}))
-        except (ValidationError, TypeError):
+            request = ShareGrantRequest(**body)
+        except ValidationError:
             return  # JupyterHub's own handler answers the malformed request with its 400
         spawner = self._lookup_spawner(user_name, server_name)
         team = (spawner.user_options or {}).get("team")

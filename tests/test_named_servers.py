@@ -2,8 +2,9 @@
 server within its team.
 
 The first tests check the pure parts (the share rule, the named-server limit, the hub configuration); the rest
-drive a real `gpupool up` (JupyterHub, proxy, JupyterLab servers) through its REST API and pages, with each
-user's own token, as a person's scripts would.
+drive one real `gpupool up` (JupyterHub, proxy, JupyterLab servers) through its REST API with each user's own
+token and through its pages with each user's login, as people and their scripts do. Those are the steps of one
+story, in order: each starts from the servers the steps before it left.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from gpupool.hub.harness import Browser, Hub
 from gpupool.hub.wiring import sharing_roles
 from gpupool.policies import load_policy
 from gpupool.policies.sharing import SHARE_CODES_REFUSED, share_refusal
+from gpupool.spawner.volcano import wiring_notes
 
 POLICY = {
     "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [hami]}\n"
@@ -97,6 +99,11 @@ def test_only_teams_that_allow_sharing_get_the_shares_scope(policy, tmp_path):
     }]
     user_role = next(r for r in c.JupyterHub.load_roles if r["name"] == "user")
     assert not [s for s in user_role["scopes"] if s.startswith("shares")]
+
+
+def test_the_kubernetes_mode_says_that_it_does_not_share(policy):
+    (note,) = wiring_notes(load_policy(policy))
+    assert note.startswith("teams vision allow sharing servers (teams.TEAM.sharing)")
 
 
 def test_a_server_is_shared_within_the_team_it_runs_for(policy):
@@ -278,6 +285,7 @@ def test_sharing_is_off_unless_the_team_allows_it(hub, tokens):
     hub.wait_ready("carol", server="pad")
     refused = as_user(hub, carol, "POST", "/hub/api/shares/carol/pad", json={"user": "alice"})
     assert refused.status_code == 403, refused.text  # team nlp says nothing: no `shares` scope at all
+    assert "requires any of [shares]" in refused.json()["message"]
     # Share codes are refused even where sharing is on: whoever holds a code could accept it.
     code = as_user(hub, tokens["alice"], "POST", "/hub/api/share-codes/alice/train", json={})
     assert code.status_code == 403 and code.json()["message"] == SHARE_CODES_REFUSED
@@ -296,6 +304,8 @@ def test_a_server_is_shared_with_teammates_only(hub, tokens):
     assert outside.json()["message"] == ("carol is not a member of team 'vision', which alice/train runs for: "
                                          "servers are shared within their team only (teams.vision.sharing)")
     assert as_user(hub, carol, "GET", "/user/alice/train/api/status").status_code in (403, 404)
+    assert as_user(hub, alice, "POST", "/hub/api/shares/alice/train", json=["bob"]).status_code == 400
+    assert as_user(hub, alice, "POST", "/hub/api/shares/alice/train", json={"person": "bob"}).status_code == 400
     group = as_user(hub, alice, "POST", "/hub/api/shares/alice/train", json={"group": "nlp"})
     assert group.status_code == 403 and "not with group 'nlp'" in group.json()["message"]
     assert as_user(hub, alice, "POST", "/hub/api/shares/alice/train", json={"group": "vision"}).status_code == 200
