@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
@@ -13,7 +14,8 @@ from pathlib import Path
 from gpupool.hub.lifecycle import supervised
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults, load_policy
 from gpupool.spawner.wiring import (
-    ACCOUNTING_SERVICE, MLFLOW_PREFIX, MLFLOW_ROLE, MLFLOW_SERVICE, mlflow_url, service_roles, team_groups,
+    ACCOUNTING_SERVICE, MLFLOW_PREFIX, MLFLOW_ROLE, MLFLOW_SERVICE, mlflow_url, service_roles, sharing_roles,
+    team_groups,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -143,9 +145,11 @@ def mlflow_service(settings: Settings) -> dict:
     }
 
 
-def home_page_teams(policy_dir: Path):
+def home_page_teams(policy_dir: Path, ledger_url: str = ""):
     """`JupyterHub.template_vars["gpupool"]`: for the home page, the user's teams and every team's leads
-    (`teams` is None where they are not known: then the home page is JupyterHub's own).
+    (`teams` is None where they are not known: then the home page is JupyterHub's own), how many named
+    servers they may have, and `servers()`: their active servers with profile and cost so far (from the
+    ledger at `ledger_url`; asked only by the home page).
 
     Read from the current policies (and the user's hub groups, which `gpupool team add-member` changes) at
     each page, so a user added to a team sees the Start button on their next visit.
@@ -164,8 +168,47 @@ def home_page_teams(policy_dir: Path):
         mine = sorted((groups | set(policy.teams_of(user.name))
                        | {t for t, team in policy.teams.items() if user.name in team.leads}) & set(policy.teams))
         return {"teams": mine, "leads": [(t, sorted(team.leads)) for t, team in sorted(policy.teams.items())
-                                         if team.leads]}
+                                         if team.leads],
+                "named_servers": policy.named_server_limit(policy.teams_of(user.name, groups)),
+                "servers": partial(home_servers_of, policy, ledger_url, user)}
     return teams
+
+
+def home_servers_of(policy, ledger_url: str, user) -> list[dict[str, str]]:
+    """`user`'s active servers (default and named) for the home page's table; empty when the ledger fails."""
+    from gpupool.hub.accounting.reports import home_servers
+    from gpupool.spawner.usage import get_ledger
+
+    servers = [(name, spawner.started, spawner.user_options or {})
+               for name, spawner in sorted(user.orm_spawners.items())
+               if spawner.server is not None or spawner.started is not None]
+    if not servers:
+        return []
+    try:
+        return home_servers(get_ledger(ledger_url), policy, user.name, servers)
+    except Exception:  # the home page shows without the table rather than not at all
+        logging.getLogger("gpupool.home").exception("the home page's servers of %s", user.name)
+        return []
+
+
+def named_server_limit(policy_dir: Path):
+    """`JupyterHub.named_server_limit_per_user`: the named servers the user whose servers are asked for may have
+    (`teams.TEAM.named_servers`, the largest of their teams').
+
+    JupyterHub calls it with the request's handler: the user is the one in the path (`/hub/api/users/NAME/…`,
+    `/hub/spawn/NAME/…`), else the one asking (the home page). JupyterHub reads 0 as "no limit": a user whose
+    teams allow no named server gets 0 here, and the spawner refuses to start a named server for them.
+    """
+    def limit(handler) -> int:
+        from gpupool.policies.reload import current_policy
+
+        user = handler.find_user(handler.path_args[0]) if handler.path_args else None
+        user = user or handler.current_user
+        if user is None:
+            return 0
+        policy = current_policy(policy_dir)
+        return policy.named_server_limit(policy.teams_of(user.name, [g.name for g in user.groups]))
+    return limit
 
 
 #: The hub service whose token starts queued requests again after a restart (no process, scope `servers`).
@@ -203,6 +246,12 @@ def apply_config(c, settings: Settings) -> None:
     c.LocalGPUSpawner.ledger_url = settings.ledger_url
     c.LocalGPUSpawner.team_root = settings.team_root
     c.Spawner.default_url = "/lab"
+    # Named servers (`/user/NAME/SERVER`), each with its own profile, as many as the user's teams allow; all of a
+    # user's servers are one user against the concurrent quotas (the pool sums them per team and user).
+    c.JupyterHub.allow_named_servers = True
+    c.JupyterHub.named_server_limit_per_user = named_server_limit(settings.policy_dir)
+    # Who may share a server with whom (teams.TEAM.sharing): read again at each share by gpupool's hub.
+    c.GPUPoolHub.policy_dir = str(settings.policy_dir)
     c.Spawner.environment = {"GPUPOOL_HUB_URL": settings.url}
     c.LocalGPUSpawner.mlflow_url = settings.mlflow_url if settings.mlflow else ""
     # Requests waiting in the queue when the hub stops are started again when it is back (spawner/requeue.py),
@@ -210,7 +259,7 @@ def apply_config(c, settings: Settings) -> None:
     # come back are told why on their home page.
     queue_token = secrets.token_hex(32)
     c.LocalGPUSpawner.queue_service_token = queue_token
-    c.JupyterHub.template_vars = {"gpupool": home_page_teams(settings.policy_dir),
+    c.JupyterHub.template_vars = {"gpupool": home_page_teams(settings.policy_dir, settings.ledger_url),
                                   "announcement_home": partial(home_queue_notice, str(state))}
 
     if settings.authenticator == "native":
@@ -252,6 +301,7 @@ def apply_config(c, settings: Settings) -> None:
         services.append(mlflow_service(settings))
     roles += [{"name": name, **role} for name, role in service_roles().items()
               if settings.mlflow or name != MLFLOW_ROLE]
+    roles += sharing_roles(policy)
     # gpupool's own services run under the lifecycle supervisor: they stop with the hub, even when it crashes.
     c.JupyterHub.services = [supervised(s, state) for s in services] + list(settings.extra_services)
     c.JupyterHub.load_roles = roles

@@ -169,22 +169,63 @@ class Hub:
         assert self.api("POST", f"/users/{name}").status_code in (201, 409)
         assert self.api("POST", f"/groups/{team}/users", json={"users": [name]}).status_code == 200
 
-    def server(self, name: str) -> dict | None:
-        return self.api("GET", f"/users/{name}").json()["servers"].get("")
+    @staticmethod
+    def server_path(name: str, server: str = "") -> str:
+        """The REST path of `name`'s server: the default one (`server` ""), or the named server `server`."""
+        return f"/users/{name}/servers/{server}" if server else f"/users/{name}/server"
 
-    def wait_ready(self, name: str, timeout: float = 120) -> dict:
+    def server(self, name: str, server: str = "") -> dict | None:
+        return self.api("GET", f"/users/{name}").json()["servers"].get(server)
+
+    def wait_ready(self, name: str, timeout: float = 120, server: str = "") -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            server = self.server(name)
-            if server and server["ready"]:
-                return server
+            found = self.server(name, server)
+            if found and found["ready"]:
+                return found
             time.sleep(0.5)
-        raise TimeoutError(f"{name}'s server not ready: {self.server(name)}\n{self.log.read_text()[-3000:]}")
+        raise TimeoutError(f"{name}'s server {server!r} not ready: {self.server(name, server)}\n"
+                           f"{self.log.read_text()[-3000:]}")
 
-    def progress_until(self, name: str, predicate, timeout: float = 60) -> list[dict]:
-        """Progress events of `name`'s spawn until one satisfies `predicate`."""
+    def admin_password(self) -> str:
+        """The admin's password, as `gpupool up` printed it on first start."""
+        (password,) = re.findall(r"with the password (\S+)", self.log.read_text())
+        return password
+
+    def log_in(self, name: str, password: str) -> requests.Session:
+        """A browser's session of `name`, logged in on the login page (cookies; `_xsrf` for its forms)."""
+        session = requests.Session()
+        session.get(f"{self.url}/hub/login", timeout=30)
+        reply = session.post(f"{self.url}/hub/login", timeout=60, allow_redirects=False,
+                             data={"username": name, "password": password, "_xsrf": session.cookies.get("_xsrf", "")})
+        assert reply.status_code == 302, f"{name} could not log in: {reply.status_code} {reply.text[-2000:]}"
+        return session
+
+    def sign_up(self, names: list[str], password: str) -> dict[str, requests.Session]:
+        """People sign up on the sign-up page, the admin approves them, they log in: their sessions, by name."""
+        for name in names:
+            session = requests.Session()
+            session.get(f"{self.url}/hub/signup", timeout=30)
+            reply = session.post(f"{self.url}/hub/signup", timeout=60, data={
+                "username": name, "signup_password": password, "signup_password_confirmation": password,
+                "_xsrf": session.cookies.get("_xsrf", "")})
+            assert reply.status_code == 200 and "has been sent to the admin" in reply.text, reply.text[-2000:]
+        admin = self.log_in("admin", self.admin_password())
+        for name in names:
+            assert admin.get(f"{self.url}/hub/authorize/{name}", timeout=60).status_code == 200
+        return {name: self.log_in(name, password) for name in names}
+
+    def user_token(self, name: str) -> str:
+        """A new API token of user `name`, with the user's own permissions (made with the harness's `tokens`)."""
+        reply = self.api("POST", f"/users/{name}/tokens", json={"note": "test"})
+        assert reply.status_code == 201, reply.text
+        return reply.json()["token"]
+
+    def progress_until(self, name: str, predicate, timeout: float = 60, server: str = "") -> list[dict]:
+        """Progress events of `name`'s spawn (of the named server `server`) until one satisfies `predicate`."""
         events = []
-        with self.session.get(f"{self.url}/hub/api/users/{name}/server/progress", stream=True, timeout=timeout) as r:
+        with self.session.get(f"{self.url}/hub/api{self.server_path(name, server)}/progress", stream=True,
+                              timeout=timeout) as r:
             for line in r.iter_lines(decode_unicode=True):
                 if line and line.startswith("data:"):
                     events.append(json.loads(line[5:]))
@@ -225,11 +266,11 @@ class Hub:
         self.session.delete(f"{base}/kernels/{kernel_id}", timeout=30)
         return "".join(output)
 
-    def stop_server(self, name: str, timeout: float = 30) -> None:
-        reply = self.api("DELETE", f"/users/{name}/server")
+    def stop_server(self, name: str, timeout: float = 30, server: str = "") -> None:
+        reply = self.api("DELETE", self.server_path(name, server))
         assert reply.status_code in (202, 204), reply.text
         deadline = time.monotonic() + timeout
-        while self.server(name) and time.monotonic() < deadline:
+        while self.server(name, server) and time.monotonic() < deadline:
             time.sleep(0.2)
 
     def allocations(self) -> dict[str, tuple[str, ...]]:

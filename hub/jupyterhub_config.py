@@ -1,4 +1,4 @@
-"""JupyterHub configuration of the embedded mode; `gpupool up` runs `jupyterhub -f` on this file.
+"""JupyterHub configuration of the embedded mode; `gpupool up` runs `gpupool-hub -f` (JupyterHub) on this file.
 
 Settings come from GPUPOOL_* variables (see `gpupool up --help`). Files in `<state>/jupyterhub_config.d/*.py`
 are run afterwards with the same `c`, for anything gpupool does not set.
@@ -7,12 +7,23 @@ are run afterwards with the same `c`, for anything gpupool does not set.
 import os
 import sys
 
+from traitlets.config import Application
+
+from gpupool.hub.app import GPUPoolHub
 from gpupool.hub.config import Settings, apply_config
+from gpupool.policies import load_policy
 from gpupool.spawner.local import UNSAFE_SINGLE_USER, default_server_env, root_servers_problem
 
 c = get_config()  # noqa: F821 - provided by JupyterHub
 settings = Settings.from_env()
 apply_config(c, settings)
+
+# Teams that allow sharing get JupyterHub's `shares` scope; only gpupool's hub (`gpupool-hub`, which `gpupool up`
+# runs) keeps shares within the team, plain `jupyterhub` would not refuse share codes.
+hub = Application.instance() if Application.initialized() else None
+if any(team.sharing for team in load_policy(settings.policy_dir).teams.values()) and not isinstance(hub, GPUPoolHub):
+    raise SystemExit("gpupool: teams with `sharing: true` need gpupool's hub, which keeps shares within the team: "
+                     "run the platform with `gpupool up` (or `gpupool-hub -f` this file), not `jupyterhub`")
 
 for extra in sorted((settings.state_dir / "jupyterhub_config.d").glob("*.py")):
     exec(compile(extra.read_text(), str(extra), "exec"), {"c": c, "get_config": lambda: c})

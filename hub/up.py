@@ -79,7 +79,7 @@ def up(args: argparse.Namespace) -> int:
     password = prepare_state(state, args.admin_password_file)
     url = f"http://{args.ip}:{args.port}/"
     ledger_url = args.ledger_url or defaults.ledger_url(state)
-    me = psutil.Process()  # `jupyterhub` replaces this process: same PID, same start time
+    me = psutil.Process()  # `gpupool-hub` (JupyterHub) replaces this process: same PID, same start time
     running = {"url": url, "pid": me.pid, "started": me.create_time()}
     lifecycle.write_json(state / "hub.json", {**running, "admin": args.admin, "policies": str(policy_dir.resolve()),
                                                "ledger_url": ledger_url})
@@ -112,7 +112,8 @@ def up(args: argparse.Namespace) -> int:
         "GPUPOOL_TEAM_ROOT": str(Path(args.team_root).resolve()) if getattr(args, "team_root", None) else "",
         UNSAFE_SINGLE_USER: "1" if unsafe else "",
     }
-    jupyterhub = Path(sys.executable).parent / "jupyterhub"
+    # JupyterHub with gpupool's share rule in front of its share routes (gpupool.hub.app).
+    jupyterhub = Path(sys.executable).parent / "gpupool-hub"
     announce_when_ready(url, login, lock)
     os.chdir(state)
     # JupyterHub takes over this process (its PID is the one `gpupool up` was started as, and it keeps the

@@ -403,6 +403,11 @@ class TeamDatasets(Strict):
         return value
 
 
+#: Named servers a member of a team may have besides the default one, unless the team says otherwise.
+DEFAULT_NAMED_SERVERS = 2
+MAX_NAMED_SERVERS = 100
+
+
 class Team(Strict):
     """A tenant: a JupyterHub group with a Volcano queue, a concurrent quota and a period budget."""
 
@@ -422,6 +427,18 @@ class Team(Strict):
     quota: Quota = Field(Quota(), description="Concurrent quota: beyond it requests wait.")
     budget: Budget = Field(Budget(), description="Period budget: beyond it `on_exhausted` applies.")
     datasets: TeamDatasets = Field(TeamDatasets(), description="Where the team's datasets live (DVC remote).")
+    named_servers: int = Field(
+        DEFAULT_NAMED_SERVERS, ge=0, le=MAX_NAMED_SERVERS,
+        description="Named servers (`/user/NAME/SERVER`, each with its own profile) a member may have besides "
+        "their default server; a member of several teams gets the largest of their teams' numbers. `0`: the "
+        "default server only. All of a member's servers count against the same concurrent quotas.",
+    )
+    sharing: bool = Field(
+        False,
+        description="Members may share a running server with teammates (JupyterHub's shares, "
+        "`POST /hub/api/shares/USER/SERVER`): with members of the team the server runs for, or with that "
+        "team's group, never with anyone else; share codes are refused. Off: nobody of the team may share.",
+    )
 
     @model_validator(mode="after")
     def _membership(self) -> Team:
@@ -504,6 +521,10 @@ class Policy(Strict):
         names `user` (the one membership rule; without `groups` only the policy's member lists count)."""
         groups = set(groups)
         return [name for name, team in self.teams.items() if name in groups or user in team.members]
+
+    def named_server_limit(self, teams) -> int:
+        """How many named servers a member of `teams` may have: the largest of their teams' (0 in no team)."""
+        return max((self.teams[t].named_servers for t in teams if t in self.teams), default=0)
 
     def queue_timeout(self, team: str) -> int:
         return self.teams[team].queue.timeout_seconds or self.settings.queue_timeout_seconds

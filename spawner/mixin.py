@@ -24,6 +24,7 @@ from gpupool.policies.identity import server_username_problem
 from gpupool.policies.model import Profile
 from gpupool.policies.reload import current_policy
 from gpupool.policies.resources import profile_share
+from gpupool.policies.sharing import share_refusal
 from gpupool.spawner.datasets import ServerDatasets, read_credentials_file, server_datasets
 from gpupool.spawner.usage import UsageLedgerMixin
 from gpupool.spawner.wiring import SERVER_TOKEN_SCOPES
@@ -199,6 +200,7 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
                                      "the user (PATCH /hub/api/users/NAME with a new name)")
         orm_spawner = getattr(spawner, "orm_spawner", None)
         try:
+            spawner.check_named_server()
             choice = spawner.check_user_options(user_options or {})
         except web.HTTPError:
             # JupyterHub stored the raw options before handing them over: a refused request leaves behind the
@@ -220,7 +222,53 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
         spawner.user_options = resolved
         if orm_spawner is not None:
             orm_spawner.user_options = resolved  # committed with the spawner's state after start
+            spawner.revoke_shares_outside_team(orm_spawner, choice.team)
         spawner.apply_choice(choice)
+
+    def revoke_shares_outside_team(self, orm_spawner, team: str) -> None:
+        """Revoke the server's shares that the policy does not allow now that it starts for `team`.
+
+        A share is checked when it is made (`gpupool.hub.sharing`); this keeps the rule when the server starts
+        for another team, the team's `sharing` was turned off, or a teammate left the team since.
+        """
+        shares = list(getattr(orm_spawner, "shares", None) or [])
+        if not shares:
+            return
+        policy, revoked = self.policy, []
+        for share in shares:
+            if share.user is not None:
+                their_teams = policy.teams_of(share.user.name, [g.name for g in share.user.groups])
+                problem = share_refusal(policy, self.user.name, self.name, team, user=share.user.name,
+                                        user_teams=their_teams)
+            else:
+                problem = share_refusal(policy, self.user.name, self.name, team, group=share.group.name)
+            if problem:
+                self.log.warning("Revoking the share of %s with %s: %s", self._log_name,
+                                 share.user.name if share.user is not None else f"group {share.group.name}", problem)
+                revoked.append(share)
+        if not revoked:
+            return
+        try:
+            session = object_session(orm_spawner)
+        except UnmappedInstanceError:  # a spawner outside a hub (tests)
+            session = None
+        if session is not None:
+            for share in revoked:
+                session.delete(share)
+            session.commit()
+
+    def check_named_server(self) -> None:
+        """A 403 for a named server of a user whose teams allow none (`named_servers: 0`).
+
+        JupyterHub counts named servers against `named_server_limit_per_user` but reads 0 as "no limit", so the
+        teams' 0 is enforced here, before anything starts.
+        """
+        teams = self.user_teams()
+        if self.name and teams and self.policy.named_server_limit(teams) == 0:
+            raise web.HTTPError(
+                403, f"{self.user.name}'s teams ({', '.join(teams)}) allow no named servers "
+                     f"(teams.TEAM.named_servers is 0): start the default server instead"
+            )
 
     def check_user_options(self, options: dict) -> Choice:
         """A `Choice` from untrusted `options`, or an HTTP 400/403 naming what is wrong and what is accepted."""

@@ -363,6 +363,12 @@ def wiring_notes(policy: Policy) -> list[str]:
     notes = []
     from_authenticator = _authenticator_teams(policy)
     listed = [name for name, team in policy.teams.items() if team.group_source == "policy" and team.members]
+    sharing = [name for name, team in policy.teams.items() if team.sharing]
+    if sharing:
+        notes.append(
+            f"teams {', '.join(sharing)} allow sharing servers (teams.TEAM.sharing), which only the embedded "
+            "platform's hub keeps within a team: in the Kubernetes mode nobody is given JupyterHub's shares scope"
+        )
     if from_authenticator and listed:
         notes.append(
             f"teams {', '.join(from_authenticator)} take their members from the authenticator "

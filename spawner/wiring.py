@@ -40,6 +40,23 @@ def team_groups(policy: Policy) -> dict[str, dict[str, Any]]:
     }
 
 
+def sharing_roles(policy: Policy) -> list[dict[str, Any]]:
+    """Roles that let the members of teams with `sharing: true` share their servers (JupyterHub's `shares`).
+
+    JupyterHub's `user` role has no `shares`; these add it for the team's group only, with the names of the
+    team's members and of its group, which JupyterHub asks of a share by name: so a share to anyone else is
+    refused by the scopes already, and gpupool's hub (`gpupool.hub.sharing`) refuses it with the rule and
+    keeps every share within the team the server runs for.
+    """
+    return [
+        {"name": f"gpupool-sharing-{name}",
+         "description": f"members of team {name} may share their servers with the team",
+         "scopes": ["shares!user", f"read:users:name!group={name}", f"read:groups:name!group={name}"],
+         "groups": [name]}
+        for name, team in sorted(policy.teams.items()) if team.sharing
+    ]
+
+
 def service_roles() -> dict[str, dict[str, Any]]:
     """Each service gets exactly its scopes; every user may open their pages (the services decide what they see)."""
     return {

@@ -101,6 +101,13 @@ BROKEN = {
     "team defined twice": ("more-teams.yaml", "teams:\n  nlp:\n    priority: 1\n", "defined twice"),
     "invalid YAML": ("broken.yaml", "teams:\n  vision: [unclosed\n", "not valid YAML"),
     "merge key": ("merge.yaml", "x: &x {priority: 1}\nteams:\n  robotics:\n    <<: *x\n", "merge keys"),
+    "named servers as text": (TEAMS, ("    priority: 100\n", '    priority: 100\n    named_servers: "3"\n'),
+                              "valid integer (got '3')"),
+    "negative named servers": (TEAMS, ("    priority: 100\n", "    priority: 100\n    named_servers: -1\n"),
+                               "negative number"),
+    "too many named servers": (TEAMS, ("    priority: 100\n", "    priority: 100\n    named_servers: 1000\n"),
+                               "less than or equal to 100"),
+    "sharing as text": (TEAMS, ("    priority: 100\n", '    priority: 100\n    sharing: "on"\n'), "valid boolean"),
 }
 
 

@@ -174,6 +174,14 @@ def run_key(user: str, server: str, started: datetime) -> str:
     return key
 
 
+def run_server(run: str) -> str | None:
+    """The server a run key (`run_key`) names: `""` for the default server; None for a hashed key (whose user
+    and server names were too long to keep)."""
+    _user, slash, rest = run.partition("/")
+    server, at, _started = rest.rpartition("@")
+    return server if slash and at else None
+
+
 # --- checking what callers write ---------------------------------------------------------------------------
 
 

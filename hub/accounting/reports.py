@@ -7,15 +7,18 @@ by `charts.py`.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from decimal import Decimal
 from fractions import Fraction
 
 from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import format_hours
+from gpupool.hub.accounting.admission import format_hours, format_share
 from gpupool.hub.accounting.bills import amount, unit_price
-from gpupool.hub.accounting.ledger import Ledger
+from gpupool.hub.accounting.ledger import Ledger, run_key, run_server
 from gpupool.policies.model import Policy
+from gpupool.policies.resources import profile_share
 
 #: The most consumers a report lists.
 MAX_TOP = 100
@@ -69,10 +72,23 @@ def top_consumers(ledger: Ledger, period: str, limit: int, team: str | None = No
     return [{"team": t, "user": u, "gpu_hours": format_hours(hours)} for (t, u), hours in ranked]
 
 
-def running_servers(ledger: Ledger, policy: Policy, user: str, now: datetime | None = None) -> list[dict[str, str]]:
-    """`user`'s running servers: share, since when, GPU-hours and cost so far, over the whole run.
+def money(value: Decimal | str, currency: str) -> str:
+    """An amount for people: `1,234.50 EUR`."""
+    return f"{Decimal(value):,.2f} {currency}"
 
-    A run continued after a crash is several intervals; the user sees one server since its start.
+
+def server_label(server: str | None) -> str:
+    """A server's name for people: the default server (name "") is `default`; None: not known (hashed run key)."""
+    if server is None:
+        return "—"
+    return server or "default"
+
+
+def running_servers(ledger: Ledger, policy: Policy, user: str, now: datetime | None = None) -> list[dict[str, str]]:
+    """`user`'s running servers: which server, share, since when, GPU-hours and cost so far, over the whole run.
+
+    A run continued after a crash is several intervals; the user sees one server since its start. The server
+    is the one its run key names (`""` for the default server, None when the key is hashed: names too long).
     """
     now = now or periods.utcnow()
     running = []
@@ -84,11 +100,38 @@ def running_servers(ledger: Ledger, policy: Policy, user: str, now: datetime | N
         hours = periods.gpu_hours(interval.share, seconds)
         price = Fraction(unit_price(policy, interval.model)) if interval.model in policy.billing.prices else Fraction(0)
         running.append({
-            "key": interval.run or interval.key, "team": interval.team, "profile": interval.profile,
+            "key": interval.run or interval.key, "server": run_server(interval.run) if interval.run else None,
+            "team": interval.team, "profile": interval.profile,
             "model": interval.model, "share": str(interval.share), "since": pieces[0].start.isoformat(),
             "gpu_hours": format_hours(hours), "cost": str(amount(hours, price)),
         })
     return running
+
+
+def home_servers(ledger: Ledger, policy: Policy, user: str, servers: Iterable[tuple[str, datetime | None, Mapping]],
+                 now: datetime | None = None) -> list[dict[str, str]]:
+    """The hub home page's table: each of `user`'s active `servers` (name, the hub's `started`, its checked
+    `user_options`) with its profile, team, GPU share and, from the ledger, its GPU-hours and cost so far.
+
+    A server is found in the ledger by its run key, as the spawner wrote it; CPU-only servers cost nothing.
+    """
+    running = {entry["key"]: entry for entry in running_servers(ledger, policy, user, now)}
+    currency = policy.billing.currency
+    rows = []
+    for name, started, options in servers:
+        slug = options.get("profile") if isinstance(options, Mapping) else None
+        profile = policy.profiles.get(slug) if isinstance(slug, str) else None
+        share = profile_share(profile, policy) if profile is not None else 0
+        entry = running.get(run_key(user, name, started)) if started is not None else None
+        rows.append({
+            "server": server_label(name), "name": name,
+            "profile": profile.display_name if profile is not None else str(slug or "—"),
+            "team": str(options.get("team") or "") if isinstance(options, Mapping) else "",
+            "gpu": f"{format_share(Fraction(share))} × {profile.gpu.model}" if share and profile.gpu else "no GPU",
+            "gpu_hours": entry["gpu_hours"] if entry else "0",
+            "cost": money(entry["cost"] if entry else 0, currency),
+        })
+    return rows
 
 
 def user_usage(ledger: Ledger, policy: Policy, user: str, period: str) -> dict[str, dict[str, Fraction | Decimal]]:

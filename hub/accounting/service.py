@@ -41,7 +41,8 @@ from gpupool.hub.accounting.admission import format_hours, format_share, reached
 from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.reports import (
-    MAX_TOP, daily_utilisation, queue_waits, running_servers, team_daily, top_consumers, user_usage,
+    MAX_TOP, daily_utilisation, money, queue_waits, running_servers, server_label, team_daily, top_consumers,
+    user_usage,
 )
 from gpupool.hub.accounting.servers import HubClient, reconcile_with_hub
 from gpupool.hub.datasets import DatasetError, human_size, team_datasets, team_registry
@@ -327,10 +328,6 @@ def team_report(ledger: Ledger, policy, team: str, period: str, top: int, member
 # --- the pages: the same figures as the JSON routes, for people ---------------------------------------------
 
 
-def money(value: Decimal | str, currency: str) -> str:
-    return f"{Decimal(value):,.2f} {currency}"
-
-
 def percent(used: Fraction, of: Fraction) -> str:
     """A share of a budget for people: 0.15 %, 7.5 %, 100 %."""
     value = float(used / of * 100) if of else 0.0
@@ -564,7 +561,7 @@ class PageHandler(AccountingHandler):
                     "GPU-h", limit=float(budget) if budget else None)),
             })
         running = [{**server, "cost": money(server["cost"], currency), "share": format_share(Fraction(server["share"])),
-                    "since": server["since"][:16].replace("T", " ")}
+                    "since": server["since"][:16].replace("T", " "), "server": server_label(server["server"])}
                    for server in running_servers(self.ledger, policy, viewer.name, periods.utcnow())]
         self.render_page(
             "usage.html", f"Your GPU usage, {name}", "usage", period_name=name, alerts=alerts, teams=teams,

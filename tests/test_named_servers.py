@@ -1,0 +1,344 @@
+"""Named servers: several servers per user, each with its own profile, one user against the quotas; sharing a
+server within its team.
+
+The first tests check the pure parts (the share rule, the named-server limit, the hub configuration); the rest
+drive one real `gpupool up` (JupyterHub, proxy, JupyterLab servers) through its REST API with each user's own
+token and through its pages with each user's login, as people and their scripts do. Those are the steps of one
+story, in order: each starts from the servers the steps before it left.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import psutil
+import pytest
+import requests
+from traitlets.config import Config
+
+from gpupool.hub.accounting.ledger import Ledger, run_server
+from gpupool.hub.accounting.periods import period_bounds, period_of, utcnow
+from gpupool.hub.config import Settings, apply_config, named_server_limit
+from gpupool.hub.harness import Browser, Hub
+from gpupool.spawner.wiring import sharing_roles
+from gpupool.policies import load_policy
+from gpupool.policies.sharing import SHARE_CODES_REFUSED, share_refusal
+from gpupool.spawner.volcano import wiring_notes
+
+POLICY = {
+    "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [hami]}\n"
+                 "inventory:\n  - {model: H200, count: 2}\n",
+    "teams.yaml": """
+teams:
+  vision:
+    priority: 100
+    quota: {gpus: 2, per_user_gpus: 0.5}
+    named_servers: 4
+    sharing: true
+  nlp: {priority: 50, quota: {gpus: 1, per_user_gpus: 1}}
+  solo: {named_servers: 0}
+""",
+    "profiles.yaml": """
+profiles:
+  cpu: {display_name: CPU only, teams: [vision, nlp, solo], default: true}
+  h200-quarter: {display_name: 0.25 × H200, gpu: {model: H200, share: 0.25}, teams: [vision, nlp]}
+""",
+    "billing.yaml": "billing: {prices: {H200: '3.20'}}\n",
+}
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("named-policies")
+    for name, text in POLICY.items():
+        (directory / name).write_text(text)
+    return directory
+
+
+# --- the pure parts ------------------------------------------------------------------------------------------
+
+
+def test_a_member_gets_the_largest_named_server_limit_of_their_teams(policy):
+    loaded = load_policy(policy)
+    assert loaded.named_server_limit(["vision"]) == 4
+    assert loaded.named_server_limit(["nlp"]) == 2  # the default
+    assert loaded.named_server_limit(["solo", "nlp"]) == 2
+    assert loaded.named_server_limit(["solo"]) == 0
+    assert loaded.named_server_limit([]) == 0
+
+
+def test_the_hub_limit_is_the_one_of_the_user_in_the_path(policy):
+    """JupyterHub calls the limit with the request's handler: the user whose servers are asked for counts."""
+    users = {"alice": SimpleNamespace(name="alice", groups=[SimpleNamespace(name="vision")]),
+             "carol": SimpleNamespace(name="carol", groups=[SimpleNamespace(name="nlp")])}
+    limit = named_server_limit(policy)
+
+    def handler(path_args, current):
+        return SimpleNamespace(path_args=path_args, find_user=users.get, current_user=users.get(current))
+
+    assert limit(handler(["carol", "x"], "alice")) == 2  # alice (or an admin) spawning for carol: carol's limit
+    assert limit(handler([], "alice")) == 4  # the home page: the user asking
+    assert limit(handler([], None)) == 0
+
+
+def test_only_teams_that_allow_sharing_get_the_shares_scope(policy, tmp_path):
+    c = Config()
+    apply_config(c, Settings(state_dir=tmp_path / "state", policy_dir=policy))
+    assert c.JupyterHub.allow_named_servers is True
+    assert callable(c.JupyterHub.named_server_limit_per_user)
+    assert c.GPUPoolHub.policy_dir == str(policy)
+    sharing = [r for r in c.JupyterHub.load_roles if r["name"].startswith("gpupool-sharing-")]
+    assert sharing == sharing_roles(load_policy(policy)) == [{
+        "name": "gpupool-sharing-vision",
+        "description": "members of team vision may share their servers with the team",
+        "scopes": ["shares!user", "read:users:name!group=vision", "read:groups:name!group=vision"],
+        "groups": ["vision"],
+    }]
+    user_role = next(r for r in c.JupyterHub.load_roles if r["name"] == "user")
+    assert not [s for s in user_role["scopes"] if s.startswith("shares")]
+
+
+def test_the_kubernetes_mode_says_that_it_does_not_share(policy):
+    (note,) = wiring_notes(load_policy(policy))
+    assert note.startswith("teams vision allow sharing servers (teams.TEAM.sharing)")
+
+
+def test_a_server_is_shared_within_the_team_it_runs_for(policy):
+    loaded = load_policy(policy)
+    assert share_refusal(loaded, "alice", "train", "vision", user="bob", user_teams=["vision"]) is None
+    assert share_refusal(loaded, "alice", "train", "vision", group="vision") is None
+    outside = share_refusal(loaded, "alice", "train", "vision", user="carol", user_teams=["nlp"])
+    assert outside == ("carol is not a member of team 'vision', which alice/train runs for: servers are shared "
+                       "within their team only (teams.vision.sharing)")
+    assert "not with group 'nlp'" in share_refusal(loaded, "alice", "train", "vision", group="nlp")
+    off = share_refusal(loaded, "carol", "", "nlp", user="dora", user_teams=["nlp"])
+    assert off.startswith("sharing is off for team 'nlp', which carol's default server runs for")
+    assert "(teams.nlp.sharing)" in off
+    assert "has not run for a team yet" in share_refusal(loaded, "alice", "new", None, user="bob", user_teams=["vision"])
+    assert "no longer have" in share_refusal(loaded, "alice", "old", "robotics", user="bob", user_teams=["vision"])
+
+
+# --- a real hub ----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory, policy):
+    hub = Hub(tmp_path_factory.mktemp("named"), POLICY, 'c.LocalGPUSpawner.run_as = "self"', mlflow=False)
+    hub.start()
+    yield hub
+    for user in hub.api("GET", "/users").json():
+        for server in user["servers"]:
+            hub.api("DELETE", hub.server_path(user["name"], server))
+    hub.stop()
+    for process in psutil.process_iter(["cmdline"]):  # no server outlives the test
+        if str(hub.state) in " ".join(process.info["cmdline"] or []):
+            process.kill()
+
+
+SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
+TEAMS = {"alice": "vision", "bob": "vision", "carol": "nlp", "dave": "solo"}
+
+
+@pytest.fixture(scope="module")
+def sessions(hub):
+    """Each person signed up, approved by the admin and logged in (their browser's cookies), in their team."""
+    sessions = hub.sign_up(list(TEAMS), "named-servers-test")
+    for user, team in TEAMS.items():
+        hub.add_user(user, team)
+    return sessions
+
+
+@pytest.fixture(scope="module")
+def tokens(hub, sessions):
+    """Each person's own API token (the hub's Token page), for their REST calls."""
+    return {user: hub.user_token(user) for user in TEAMS}
+
+
+def as_user(hub, token: str, method: str, path: str, **kw) -> requests.Response:
+    """A REST request (`path` from the root: `/hub/api/…`, `/user/…`, `/services/…`) with a user's token."""
+    return requests.request(method, f"{hub.url}{path}", headers={"Authorization": f"token {token}", **kw.pop(
+        "headers", {})}, timeout=60, allow_redirects=False, **kw)
+
+
+def page(hub, session: requests.Session, method: str, path: str, **kw) -> requests.Response:
+    """A page as the person's browser asks for it (their login cookie; forms carry `_xsrf`)."""
+    if method == "POST":
+        kw["data"] = {**kw.get("data", {}), "_xsrf": session.cookies.get("_xsrf", "")}
+    reply = session.request(method, f"{hub.url}{path}", timeout=60, allow_redirects=False, **kw)
+    reply.encoding = "utf-8"  # the hub's pages are UTF-8 without saying so in Content-Type
+    return reply
+
+
+def test_two_named_servers_with_their_own_profiles_run_at_once_within_the_users_quota(hub, sessions, tokens):
+    alice = tokens["alice"]
+    # The spawn form of a named server offers the profiles of alice's team, and starts the one she picks.
+    form = page(hub, sessions["alice"], "GET", "/hub/spawn/alice/notebook")
+    assert form.status_code == 200 and "CPU only" in form.text and "0.25 × H200" in form.text, form.text[-2000:]
+    started = page(hub, sessions["alice"], "POST", "/hub/spawn/alice/notebook", data={"profile": "cpu"})
+    assert started.status_code == 302, started.text[-2000:]
+    # The REST API: the named server `train` with the quarter share.
+    reply = as_user(hub, alice, "POST", "/hub/api/users/alice/servers/train", json={"profile": "h200-quarter"})
+    assert reply.status_code in (201, 202), reply.text
+    notebook = hub.wait_ready("alice", server="notebook")
+    train = hub.wait_ready("alice", server="train")
+    assert notebook["user_options"] == {"profile": "cpu", "team": "vision"}
+    assert train["user_options"] == {"profile": "h200-quarter", "team": "vision"}
+    assert set(hub.allocations()) == {"alice/train"}  # the CPU-only server holds no card
+
+    # alice may hold 0.5 at once (quota.per_user_gpus): a second quarter fits, a third waits for one of hers.
+    assert as_user(hub, alice, "POST", "/hub/api/users/alice/servers/train-b",
+                   json={"profile": "h200-quarter"}).status_code in (201, 202)
+    hub.wait_ready("alice", server="train-b")
+    assert set(hub.allocations()) == {"alice/train", "alice/train-b"}
+    assert as_user(hub, alice, "POST", "/hub/api/users/alice/servers/train-c",
+                   json={"profile": "h200-quarter"}).status_code in (201, 202)
+    events = hub.progress_until("alice", lambda e: "position" in e.get("message", ""), server="train-c")
+    assert events[-1]["message"] == (
+        'Waiting for 0.25 × H200: position 1 of 1 in queue "vision" '
+        '(alice holds 0.5 of 0.5 GPUs allowed per member of team "vision" (quota))'
+    )
+    assert "alice/train-c" not in hub.allocations(), "the cards have room: only alice's own quota holds it back"
+
+    # Stopping one of her servers frees its share for the waiting one; the others keep running.
+    hub.stop_server("alice", 120, server="train-b")
+    hub.wait_ready("alice", server="train-c")
+    assert set(hub.allocations()) == {"alice/train", "alice/train-c"}
+    assert hub.server("alice", "train")["ready"] and hub.server("alice", "notebook")["ready"]
+    assert as_user(hub, alice, "GET", "/user/alice/train/api/status").status_code == 200
+    hub.stop_server("alice", 120, server="train-c")
+    assert set(hub.allocations()) == {"alice/train"}
+
+
+def test_the_named_server_limit_comes_from_the_teams_policy(hub, sessions, tokens):
+    # alice has notebook, train, train-b and train-c (stopped ones count: JupyterHub keeps them until deleted)
+    fifth = as_user(hub, tokens["alice"], "POST", "/hub/api/users/alice/servers/fifth", json={"profile": "cpu"})
+    assert fifth.status_code == 400 and "already has the maximum of 4 named servers" in fifth.json()["message"]
+    # team solo allows none (named_servers: 0); JupyterHub reads 0 as "no limit", so the spawner refuses.
+    named = as_user(hub, tokens["dave"], "POST", "/hub/api/users/dave/servers/pad", json={"profile": "cpu"})
+    assert named.status_code == 403, named.text
+    assert "allow no named servers (teams.TEAM.named_servers is 0)" in named.json()["message"]
+    home = page(hub, sessions["dave"], "GET", "/hub/home")
+    assert home.status_code == 200 and "Add New Server" not in home.text
+    assert "Add New Server" in page(hub, sessions["carol"], "GET", "/hub/home").text
+
+
+def test_the_home_page_the_ledger_and_the_usage_page_show_each_server(hub, sessions, tokens):
+    alice = tokens["alice"]
+    home = page(hub, sessions["alice"], "GET", "/hub/home")
+    assert home.status_code == 200, home.text[-2000:]
+    table = home.text[home.text.index('id="gpupool-servers"'):]
+    rows = dict(re.findall(r'<tr data-gpupool-server="([^"]*)">(.*?)</tr>', table, re.S))
+    assert set(rows) == {"notebook", "train"}, table[:3000]
+    assert "CPU only" in rows["notebook"] and "no GPU" in rows["notebook"] and "0.00 EUR" in rows["notebook"]
+    assert "0.25 × H200" in rows["train"] and "0.25 × H200</td>" in rows["train"] and " EUR</td>" in rows["train"]
+    assert "vision" in rows["train"]
+
+    # The ledger keys each run by user, server and start: one run per start of a GPU server.
+    ledger = Ledger(hub.ledger_url, migrate=False)
+    start, end = period_bounds(period_of(utcnow()))
+    runs = {run_server(i.run): i for i in ledger.intervals_overlapping(start, end, user="alice", team="vision")}
+    assert set(runs) == {"train", "train-b", "train-c"}
+    assert runs["train"].is_open and runs["train"].profile == "h200-quarter"
+    assert runs["train-b"].how == "stopped" and runs["train-c"].how == "stopped"
+
+    # The usage page (the accounting service) names the running server.
+    hub.wait_service("accounting", "health")
+    me = as_user(hub, alice, "GET", "/services/accounting/api/me")
+    assert me.status_code == 200, me.text
+    (running,) = me.json()["running"]
+    assert running["server"] == "train" and running["profile"] == "h200-quarter"
+    usage = as_user(hub, alice, "GET", "/services/accounting/", headers={"Accept": "text/html"})
+    assert usage.status_code == 200 and '<tr data-server="train"><td>train</td>' in usage.text, usage.text[-3000:]
+
+
+def test_the_home_page_in_a_browser(hub, sessions):
+    """alice's home page in headless Chromium, with her two servers; its screenshot goes into docs/screenshots/."""
+    chromium, driver = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
+    if not chromium or not driver:
+        pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver)")
+    browser = Browser(chromium, driver)
+    try:
+        browser.get(f"{hub.url}/hub/login")  # cookies are set for the page's site: open one of the hub's first
+        for cookie in sessions["alice"].cookies:
+            browser.driver.add_cookie({"name": cookie.name, "value": cookie.value, "path": cookie.path or "/"})
+        browser.start_recording()
+        browser.get(f"{hub.url}/hub/home")
+        text = browser.wait_for_text("Your running servers")
+        browser.wait_network_idle()
+        assert "notebook" in text and "train" in text and "CPU only" in text and "0.25 × H200" in text, text
+        assert not browser.failed_requests(), browser.failed_requests()
+        assert not browser.console_errors(), browser.console_errors()
+        height = browser.driver.execute_script("return document.documentElement.scrollHeight")
+        browser.driver.set_window_size(1400, max(900, min(height + 120, 3000)))  # the whole page
+        browser.screenshot(SCREENSHOTS / "home-named-servers.png")
+    finally:
+        browser.quit()
+
+
+def test_sharing_is_off_unless_the_team_allows_it(hub, tokens):
+    carol = tokens["carol"]
+    assert as_user(hub, carol, "POST", "/hub/api/users/carol/servers/pad", json={"profile": "cpu"}).status_code \
+        in (201, 202)
+    hub.wait_ready("carol", server="pad")
+    refused = as_user(hub, carol, "POST", "/hub/api/shares/carol/pad", json={"user": "alice"})
+    assert refused.status_code == 403, refused.text  # team nlp says nothing: no `shares` scope at all
+    assert "requires any of [shares]" in refused.json()["message"]
+    # Share codes are refused even where sharing is on: whoever holds a code could accept it.
+    code = as_user(hub, tokens["alice"], "POST", "/hub/api/share-codes/alice/train", json={})
+    assert code.status_code == 403 and code.json()["message"] == SHARE_CODES_REFUSED
+
+
+def test_a_server_is_shared_with_teammates_only(hub, tokens):
+    alice, bob, carol = tokens["alice"], tokens["bob"], tokens["carol"]
+    # (bob's first visit comes after the share: the server remembers what a token may do for a few minutes)
+    shared = as_user(hub, alice, "POST", "/hub/api/shares/alice/train", json={"user": "bob"})
+    assert shared.status_code == 200, shared.text
+    assert shared.json()["user"]["name"] == "bob"
+    assert as_user(hub, bob, "GET", "/user/alice/train/api/status").status_code == 200
+
+    outside = as_user(hub, alice, "POST", "/hub/api/shares/alice/train", json={"user": "carol"})
+    assert outside.status_code == 403
+    assert outside.json()["message"] == ("carol is not a member of team 'vision', which alice/train runs for: "
+                                         "servers are shared within their team only (teams.vision.sharing)")
+    assert as_user(hub, carol, "GET", "/user/alice/train/api/status").status_code in (403, 404)
+    assert as_user(hub, alice, "POST", "/hub/api/shares/alice/train", json=["bob"]).status_code == 400
+    assert as_user(hub, alice, "POST", "/hub/api/shares/alice/train", json={"person": "bob"}).status_code == 400
+    group = as_user(hub, alice, "POST", "/hub/api/shares/alice/train", json={"group": "nlp"})
+    assert group.status_code == 403 and "not with group 'nlp'" in group.json()["message"]
+    assert as_user(hub, alice, "POST", "/hub/api/shares/alice/train", json={"group": "vision"}).status_code == 200
+    listed = as_user(hub, alice, "GET", "/hub/api/shares/alice/train").json()["items"]
+    assert sorted((s["user"] or {}).get("name") or s["group"]["name"] for s in listed) == ["bob", "vision"]
+    # Revoking is JupyterHub's own.
+    assert as_user(hub, alice, "DELETE", "/hub/api/shares/alice/train").status_code == 204
+    assert as_user(hub, alice, "GET", "/hub/api/shares/alice/train").json()["items"] == []
+
+
+def test_stopping_a_named_server_ends_its_run_and_keeps_the_others(hub, sessions):
+    hub.stop_server("alice", 120, server="train")
+    assert not hub.allocations()
+    assert hub.server("alice", "notebook")["ready"]
+    ledger = Ledger(hub.ledger_url, migrate=False)
+    assert not [i for i in ledger.open_intervals() if i.user == "alice"]
+    home = page(hub, sessions["alice"], "GET", "/hub/home").text
+    rows = dict(re.findall(r'<tr data-gpupool-server="([^"]*)">(.*?)</tr>', home, re.S))
+    assert set(rows) == {"notebook"}
+
+
+def test_shares_the_policy_no_longer_allows_are_revoked_when_the_server_starts_again(hub, tokens):
+    alice = tokens["alice"]
+    assert as_user(hub, alice, "POST", "/hub/api/shares/alice/notebook", json={"user": "bob"}).status_code == 200
+    # The team turns sharing off: new shares are refused at once (the policies are read again when they change)...
+    teams = hub.policies / "teams.yaml"
+    teams.write_text(teams.read_text().replace("sharing: true", "sharing: false"))
+    again = as_user(hub, alice, "POST", "/hub/api/shares/alice/notebook", json={"group": "vision"})
+    assert again.status_code == 403 and again.json()["message"].startswith("sharing is off for team 'vision'")
+    # ...and the shares made before end when the server starts again.
+    hub.stop_server("alice", 120, server="notebook")
+    assert as_user(hub, alice, "POST", "/hub/api/users/alice/servers/notebook",
+                   json={"profile": "cpu"}).status_code in (201, 202)
+    hub.wait_ready("alice", server="notebook")
+    assert as_user(hub, alice, "GET", "/hub/api/shares/alice/notebook").json()["items"] == []
+    assert "Revoking the share of alice:notebook with bob: sharing is off for team 'vision'" in hub.log.read_text()
