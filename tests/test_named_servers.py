@@ -267,7 +267,7 @@ def test_the_home_page_in_a_browser(hub, sessions):
         browser.start_recording()
         browser.get(f"{hub.url}/hub/home")
         text = browser.wait_for_text("Your running servers")
-        browser.wait_network_idle()
+        browser.wait_page_loaded()
         assert "notebook" in text and "train" in text and "CPU only" in text and "0.25 × H200" in text, text
         assert not browser.failed_requests(), browser.failed_requests()
         assert not browser.console_errors(), browser.console_errors()
