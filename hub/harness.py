@@ -448,6 +448,11 @@ class Browser:
         self._answered.clear()
         self._console.clear()
 
+    def loading(self) -> list[str]:
+        """The URLs the page asked for and has no answer to yet (refreshes of answered ones aside)."""
+        self._read_logs()
+        return sorted(set(self._pending.values()) - self._answered)
+
     def wait_page_loaded(self, timeout: float = 300) -> None:
         """Until every request the page has made has been answered, except repeats of requests answered before.
 

@@ -413,6 +413,8 @@ def test_a_browser_logs_in_through_the_hub_and_sees_its_teams_experiment_without
     if not chromium or not driver:
         pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver; "
                     "`make install` does it as root)")
+    from selenium.common.exceptions import TimeoutException
+
     shots = REPO_ROOT / "docs" / "screenshots"
     b = Browser(chromium, driver)
 
@@ -428,7 +430,7 @@ def test_a_browser_logs_in_through_the_hub_and_sees_its_teams_experiment_without
         b.start_recording()  # the hub's login pages are not what this test is about
         # The first page a user sees.
         b.get(f"{hub.url}/services/mlflow/")
-        b.wait_for_text("vision")
+        b.wait_for_text("vision", 300)
         b.wait_page_loaded()
         assert "nlp" not in [a.text for a in b.css("a")]
         b.screenshot(shots / "mlflow-experiments.png")
@@ -437,8 +439,11 @@ def test_a_browser_logs_in_through_the_hub_and_sees_its_teams_experiment_without
         b.start_recording()
         b.get(f"{hub.url}/services/mlflow/#/experiments/{notebook['experiment_id']}")
         # Its default view (Overview) draws the experiment's charts: data, "no data", or the error this is about.
-        b.wait(lambda d: any(text in b.text() for text in ("No data available", "Failed to load")), 120,
-               "the experiment page drew no charts")
+        try:
+            b.wait(lambda d: any(text in b.text() for text in ("No data available", "Failed to load")), 300)
+        except TimeoutException:
+            raise AssertionError(f"the experiment page drew no charts in 300 s; it shows:\n{b.text()[:2000]}\n"
+                                 f"still loading: {b.loading()}") from None
         b.wait_page_loaded()
         b.screenshot(shots / "mlflow-experiment.png")
         body, experiment_page = b.text(), errors()
