@@ -53,8 +53,8 @@ class RecordingStore(AllocationStore):
         super().__init__(path)
         self.order: list[str] = []
 
-    def reserve(self, request, cards):
-        allocation = super().reserve(request, cards)
+    def reserve(self, request, cards, *placement):
+        allocation = super().reserve(request, cards, *placement)
         if allocation is not None:
             self.order.append(request.key)
         return allocation
