@@ -465,7 +465,7 @@ class Datasets(Strict):
 
 #: How the pool chooses cards for a share (`spawner/placement.py`).
 PLACEMENTS: tuple[str, ...] = ("best-fit", "fragmentation-aware")
-DEFAULT_PLACEMENT = "best-fit"
+DEFAULT_PLACEMENT = "fragmentation-aware"
 
 
 class Settings(Strict):
