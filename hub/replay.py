@@ -5,7 +5,8 @@ The simulator owns only the clock, the event heap and the trace readers. Every d
 (`spawner.pool.admit_in_order`: priority then arrival, a waiting request is not overtaken by smaller ones of
 its model) and its placement (`spawner.pool.place` under the policy's `settings.placement`, see
 `spawner.placement`), run per node when the cluster has nodes. `gpupool replay openb` measures placement
-quality on Alibaba's openb trace as the FGD paper does. Nothing sleeps and nothing is started: a month of work replays in seconds.
+quality on Alibaba's openb trace as the FGD paper does. Nothing sleeps and nothing is started: a month of work
+replays in seconds.
 """
 
 from __future__ import annotations
@@ -750,7 +751,8 @@ class Openb:
 def default_openb_dir() -> Path:
     """`../shared/data/traces/openb` beside the working folder, else beside the repository."""
     here = Path("..") / "shared" / "data" / "traces" / "openb"
-    return here if here.is_dir() else Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces" / "openb"
+    beside_repository = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces" / "openb"
+    return here if here.is_dir() else beside_repository
 
 
 def read_openb(pods: str | Path, nodes: str | Path | None = None) -> Openb:
