@@ -3,8 +3,10 @@
 The simulator owns only the clock, the event heap and the trace readers. Every decision is the platform's:
 `admission.decide` (quotas wait, budgets follow `on_exhausted`, priorities), the embedded pool's queue pass
 (`spawner.pool.admit_in_order`: priority then arrival, a waiting request is not overtaken by smaller ones of
-its model) and its placement (`spawner.pool.place`: best fit for fractions, free cards for whole ones), run
-per node when the cluster has nodes. Nothing sleeps and nothing is started: a month of work replays in seconds.
+its model) and its placement (`spawner.pool.place` under the policy's `settings.placement`, see
+`spawner.placement`), run per node when the cluster has nodes. `gpupool replay openb` measures placement
+quality on Alibaba's openb trace as the FGD paper does. Nothing sleeps and nothing is started: a month of work
+replays in seconds.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import csv
 import heapq
 import json
 import math
+import random
 import sys
-from collections.abc import Iterable, Iterator
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from fractions import Fraction
@@ -25,8 +30,13 @@ from gpupool.hub.accounting import admission
 from gpupool.hub.accounting.admission import DIRECT_PROFILE, LOWEST_PRIORITY, AdmissionRequest, Holdings, Usage
 from gpupool.hub.accounting.periods import period_of
 from gpupool.policies import PolicyError, load_policy
-from gpupool.policies.model import Policy
-from gpupool.spawner.pool import Allocation, Card, Request, Verdict, admit_in_order, holding_more, place
+from gpupool.policies.model import PLACEMENTS, Policy
+from gpupool.spawner.placement import (
+    ONE, FreeState, Placement, choose_cards, demands_of, node_score, placement_for,
+)
+from gpupool.spawner.pool import (
+    BEST_FIT, Allocation, Card, Request, Verdict, admit_in_order, holding_more, place,
+)
 
 SECONDS_PER_DAY = 86400.0
 
@@ -130,33 +140,54 @@ def pool_cards(policy: Policy, capacity: dict[str, int] | None = None) -> list[C
 class Cluster:
     """Cards grouped into nodes, and what each card holds; `reserve` is the pool's placement, per node.
 
-    A fraction goes where the pool's best fit puts it among all cards of its model. Whole cards up to a node's
-    size go on one node: the fullest node that still has enough free cards (bin packing, as Volcano's
-    binpack plugin scores), and the pool's `place` picks the cards on it; with one node this is exactly the
-    embedded pool. A job larger than a node is gang-placed, all or nothing as Volcano's gang plugin admits
-    it: on the nodes with the most free cards, so that it spans as few as possible.
+    A share up to a node's size goes on one node: the node `spawner.placement.node_score` prefers under the
+    placement policy (ties: the first node), and the pool's own `place` picks the cards on it. Under best fit
+    that is the fullest card with room among all cards of the model for a fraction (the pool's best fit), and
+    the fullest node that still has enough free cards for whole ones (as Volcano's binpack plugin scores);
+    with one node this is exactly the embedded pool. A job larger than a node is gang-placed, all or nothing
+    as Volcano's gang plugin admits it: on the nodes with the most free cards, so that it spans as few as
+    possible. `nodes` gives the nodes explicitly (a node list such as openb's); else each model's cards are
+    cut into nodes of `node_cards` (default: one node).
+
+    A node's score depends only on its state (the free shares of its cards), so scores are kept per state and
+    share, and for each share asked a heap of (score, node) finds the best node without a pass over all of
+    them. `scale`: count free shares in integer units of 1/scale card (every share must be one), which makes
+    the scores' arithmetic integer; the choices are the same.
     """
 
-    def __init__(self, cards: list[Card], node_cards: int | None = None):
+    def __init__(self, cards: list[Card], node_cards: int | None = None, *,
+                 nodes: list[list[Card]] | None = None,
+                 placement: Callable[[str], Placement] = lambda model: BEST_FIT, scale: int | None = None):
         self.cards = cards
         self.by_model: dict[str, list[Card]] = {}
         for card in cards:
             self.by_model.setdefault(card.model, []).append(card)
         self.nodes: dict[str, list[list[Card]]] = {}
-        for model, model_cards in self.by_model.items():
-            size = node_cards or len(model_cards)
-            self.nodes[model] = [model_cards[i:i + size] for i in range(0, len(model_cards), size)]
+        if nodes is not None:
+            for node in nodes:
+                self.nodes.setdefault(node[0].model, []).append(node)
+        else:
+            for model, model_cards in self.by_model.items():
+                size = node_cards or len(model_cards)
+                self.nodes[model] = [model_cards[i:i + size] for i in range(0, len(model_cards), size)]
         self.node_of = {c.uuid: (c.model, n) for m, nodes in self.nodes.items() for n, node in enumerate(nodes)
                         for c in node}
         self.used: dict[str, Fraction] = {}
         self.free_cards = {m: [len(node) for node in nodes] for m, nodes in self.nodes.items()}
         self.sizes = {m: max(len(node) for node in nodes) for m, nodes in self.nodes.items()}
-        # Nodes by how many free cards they have, so that the best-fitting node is found without a scan.
-        self.by_free: dict[str, list[set[int]]] = {}
-        for m, free in self.free_cards.items():
-            self.by_free[m] = [set() for _ in range(self.sizes[m] + 1)]
-            for n, count in enumerate(free):
-                self.by_free[m][count].add(n)
+        # One placement per model for the cluster's life (a replay's policies do not change under it).
+        self.placements = {m: placement(m) for m in self.nodes}
+        self.scale = scale
+        self.unit = scale if scale is not None else ONE
+        self.scoring = {m: p.scaled(scale) if scale is not None else p for m, p in self.placements.items()}
+        self.card_free = {c.uuid: self.unit for c in cards}  # in units
+        self.free: dict[str, list[Counter]] = {m: [Counter({self.unit: len(node)}) for node in nodes]
+                                               for m, nodes in self.nodes.items()}
+        self.state: dict[str, list[FreeState]] = {m: [((self.unit, len(node)),) for node in nodes]
+                                                  for m, nodes in self.nodes.items()}
+        self.version: dict[str, list[int]] = {m: [0] * len(nodes) for m, nodes in self.nodes.items()}
+        self.scores: dict[tuple, tuple | None] = {}
+        self.heaps: dict[tuple, list[tuple]] = {}  # (model, share) → (score, node, version of the node)
         self.held: dict[str, Allocation] = {}
 
     def capacity(self, model: str) -> int:
@@ -165,22 +196,63 @@ class Cluster:
     def node_size(self, model: str) -> int:
         return self.sizes.get(model, 0)
 
-    def _free(self, model: str, n: int, change: int) -> None:
-        free = self.free_cards[model]
-        self.by_free[model][free[n]].discard(n)
-        free[n] += change
-        self.by_free[model][free[n]].add(n)
+    def _units(self, share: Fraction):
+        if self.scale is None:
+            return share
+        scaled = share * self.scale
+        if scaled.denominator != 1:
+            raise ValueError(f"share {share} is not a whole number of 1/{self.scale} card")
+        return scaled.numerator
+
+    def _score(self, model: str, state: FreeState, share) -> tuple | None:
+        asked = (model, state, share)
+        if asked not in self.scores:
+            self.scores[asked] = node_score(state, share, self.scoring[model])
+        return self.scores[asked]
+
+    def _heap(self, model: str, share) -> list[tuple]:
+        heap = [(score, n, self.version[model][n]) for n, state in enumerate(self.state[model])
+                if (score := self._score(model, state, share)) is not None]
+        heapq.heapify(heap)
+        self.heaps[model, share] = heap
+        return heap
+
+    def _card_changed(self, uuid: str, taken) -> tuple[str, int]:
+        """`taken` units more of card `uuid` are held (fewer, when negative); its node, to rescore."""
+        model, n = self.node_of[uuid]
+        free = self.free[model][n]
+        was = self.card_free[uuid]
+        now = self.card_free[uuid] = was - taken
+        free[was] -= 1
+        if not free[was]:
+            del free[was]
+        free[now] += 1
+        if was == self.unit or now == self.unit:
+            self.free_cards[model][n] += 1 if now == self.unit else -1
+        return model, n
+
+    def _node_changed(self, model: str, n: int) -> None:
+        state = self.state[model][n] = tuple(sorted(self.free[model][n].items()))
+        self.version[model][n] += 1
+        version = self.version[model][n]
+        for (m, share), heap in self.heaps.items():
+            if m == model:
+                if len(heap) > 4 * len(self.nodes[model]) + 64:  # mostly stale entries: build it anew
+                    heap[:] = self._heap(model, share)
+                elif (score := self._score(model, state, share)) is not None:
+                    heapq.heappush(heap, (score, n, version))
 
     def reserve(self, request: Request) -> Allocation | None:
         chosen = self._choose(request.model, request.share)
         if chosen is None:
             return None
         per_card = request.share if request.share < 1 else Fraction(1)
+        touched, taken = set(), self._units(per_card)
         for uuid in chosen:
-            before = self.used.get(uuid, Fraction(0))
-            if before == 0:
-                self._free(*self.node_of[uuid], -1)
-            self.used[uuid] = before + per_card
+            self.used[uuid] = self.used.get(uuid, Fraction(0)) + per_card
+            touched.add(self._card_changed(uuid, taken))
+        for node in touched:
+            self._node_changed(*node)
         allocation = Allocation(request.key, request.user, request.team, request.profile, request.model,
                                 request.share, chosen)
         self.held[request.key] = allocation
@@ -189,36 +261,47 @@ class Cluster:
     def release(self, key: str) -> Allocation:
         allocation = self.held.pop(key)
         per_card = allocation.share if allocation.share < 1 else Fraction(1)
+        touched, taken = set(), self._units(per_card)
         for uuid in allocation.cards:
             after = self.used[uuid] - per_card
             if after == 0:
                 del self.used[uuid]
-                self._free(*self.node_of[uuid], +1)
             else:
                 self.used[uuid] = after
+            touched.add(self._card_changed(uuid, -taken))
+        for node in touched:
+            self._node_changed(*node)
         return allocation
 
     def _choose(self, model: str, share: Fraction) -> tuple[str, ...] | None:
         nodes = self.nodes.get(model)
         if not nodes:
             return None
-        if share < 1:
-            return place(self.by_model[model], self.used, model, share)
-        if share.denominator != 1:
+        if share >= 1 and share.denominator != 1:
             raise ValueError(f"a share above one card must be whole cards, not {share}")
+        placement = self.placements[model]
+        if share <= self.node_size(model):
+            units = self._units(share)
+            heap = self.heaps.get((model, units))
+            if heap is None:
+                heap = self._heap(model, units)
+            versions = self.version[model]
+            while heap and heap[0][2] != versions[heap[0][1]]:
+                heapq.heappop(heap)
+            if not heap:
+                return None
+            # On that node, the cards as the pool's `place` chooses them (`choose_cards`), in the cluster's units.
+            node = nodes[heap[0][1]]
+            chosen = choose_cards([self.card_free[c.uuid] for c in node], units, self.scoring[model])
+            return tuple(node[i].uuid for i in chosen)
         need, free = int(share), self.free_cards[model]
-        if need <= self.node_size(model):
-            for count in range(need, self.sizes[model] + 1):
-                if self.by_free[model][count]:
-                    return place(nodes[min(self.by_free[model][count])], self.used, model, share)
-            return None
         if sum(free) < need:
             return None
         chosen: list[str] = []
         for n in sorted(range(len(nodes)), key=lambda n: (-free[n], n)):
             take = min(free[n], need - len(chosen))
             if take:
-                chosen.extend(place(nodes[n], self.used, model, Fraction(take)) or ())
+                chosen.extend(place(nodes[n], self.used, model, Fraction(take), placement) or ())
             if len(chosen) == need:
                 break
         return tuple(chosen)
@@ -363,7 +446,11 @@ def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Ca
         jobs, start = workload.jobs, workload.start
     else:
         jobs, start = list(workload), datetime(2026, 1, 1, tzinfo=timezone.utc)
-    cluster = Cluster(cards if cards is not None else pool_cards(policy), node_cards)
+    # Free shares counted in integer units fine enough for every share of the workload and the profiles.
+    scale = math.lcm(1, *{job.share.denominator for job in jobs},
+                     *{size.denominator for m in policy.models for size, _ in placement_for(policy, m).demands})
+    cluster = Cluster(cards if cards is not None else pool_cards(policy), node_cards,
+                      placement=lambda model: placement_for(policy, model), scale=scale)
     meter = Meter(start)
     decide = Admission(policy, meter)
     results = {job.key: JobResult(job) for job in jobs}
@@ -637,6 +724,131 @@ def parse_duration(text: str) -> float:
         raise argparse.ArgumentTypeError(f"{text!r}: give a duration such as 10m, 90s, 2h or seconds") from None
 
 
+# --- placement quality: Alibaba openb, the FGD paper's method ------------------------------------------
+
+OPENB_PODS_HEADER = ["name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli"]
+OPENB_NODES = "openb_node_list_gpu_node.csv"
+OPENB_PODS = "openb_pod_list_default.csv"
+#: openb's pods name no GPU model (`gpu_spec` is empty), so any card serves any pod: one model for all.
+OPENB_MODEL = "openb"
+DEMAND_POINTS = (1.0, 1.3)
+
+
+@dataclass(frozen=True)
+class Openb:
+    """The openb trace as the placement experiment needs it: the GPU pods' shares and the GPU nodes."""
+
+    shares: list[Fraction]  # of each pod asking for GPU: gpu_milli / 1000 of one card, or whole cards
+    nodes: list[list[Card]]
+    without_gpu: int  # pods asking for no GPU (left out: they place nothing on cards)
+    source: str = ""
+
+    @property
+    def capacity(self) -> int:
+        return sum(len(node) for node in self.nodes)
+
+
+def default_openb_dir() -> Path:
+    """`../shared/data/traces/openb` beside the working folder, else beside the repository."""
+    here = Path("..") / "shared" / "data" / "traces" / "openb"
+    beside_repository = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "traces" / "openb"
+    return here if here.is_dir() else beside_repository
+
+
+def read_openb(pods: str | Path, nodes: str | Path | None = None) -> Openb:
+    """Alibaba's openb pod list (`num_gpu`, `gpu_milli`) and node list (`sn`, `gpu`, `model`).
+
+    A pod of one GPU holds `gpu_milli`/1000 of a card (1000: the whole card); a pod of several GPUs holds
+    that many whole cards, on one node. Every GPU node becomes a node of cards, its model in the card names.
+    """
+    pods = Path(pods)
+    nodes = Path(nodes) if nodes is not None else pods.with_name(OPENB_NODES)
+    shares, without_gpu = [], 0
+    with open(pods, newline="") as f:
+        for row in csv.DictReader(f):
+            gpus, milli = int(row["num_gpu"]), int(row["gpu_milli"])
+            if gpus == 0 or milli == 0:
+                without_gpu += 1
+            elif gpus == 1:
+                shares.append(Fraction(milli, 1000))
+            elif milli == 1000:
+                shares.append(Fraction(gpus))
+            else:
+                raise ValueError(f"{pods}: pod {row['name']} asks for {gpus} GPUs of {milli} milli each; "
+                                 "several GPUs are whole cards")
+    node_cards: list[list[Card]] = []
+    index = 0
+    with open(nodes, newline="") as f:
+        for row in csv.DictReader(f):
+            count = int(row["gpu"])
+            if count:
+                node_cards.append([Card(f"{row['sn']}-{row['model']}-{i}", OPENB_MODEL, index + i, 0)
+                                   for i in range(count)])
+                index += count
+    return Openb(shares, node_cards, without_gpu, f"openb {pods}")
+
+
+def openb_allocation(trace: Openb, placement: str, seed: int,
+                     points: tuple[float, ...] = DEMAND_POINTS) -> list[float]:
+    """The GPU allocation ratio (GPU allocated / GPU capacity) when the GPU requested reaches each of `points`
+    (fractions of capacity), as the FGD paper measures it: pods drawn at random from the trace (with
+    replacement, seeded) arrive one by one, nothing leaves, and a pod that does not fit when it arrives is
+    refused. Placement is the cluster's, and so the pool's, under `placement`, whose expected request sizes
+    are the trace's own (FGD's target workload)."""
+    demands = demands_of(trace.shares)
+    cards = [card for node in trace.nodes for card in node]
+    cluster = Cluster(cards, nodes=trace.nodes, placement=lambda model: Placement(placement, demands), scale=1000)
+    rng = random.Random(seed)
+    capacity = trace.capacity
+    targets = sorted(points)
+    requested = allocated = Fraction(0)
+    ratios: list[float] = []
+    n = 0
+    while targets:
+        share = rng.choice(trace.shares)
+        requested += share
+        n += 1
+        request = Request(f"pod-{n}", "openb", "openb", DIRECT_PROFILE, f"{share} GPU", OPENB_MODEL, share)
+        if cluster.reserve(request) is not None:
+            allocated += share
+        while targets and requested >= targets[0] * capacity:
+            ratios.append(float(allocated / capacity))
+            targets.pop(0)
+    return ratios
+
+
+def openb_experiment(trace: Openb, placements: Iterable[str], seeds: int,
+                     points: tuple[float, ...] = DEMAND_POINTS) -> dict:
+    """`openb_allocation` for each placement policy and seed 0 … seeds-1; mean and sd per demand point."""
+    results = {}
+    for name in placements:
+        runs = [openb_allocation(trace, name, seed, points) for seed in range(seeds)]
+        results[name] = {}
+        for i, point in enumerate(sorted(points)):
+            ratios = [run[i] for run in runs]
+            mean = sum(ratios) / len(ratios)
+            sd = math.sqrt(sum((r - mean) ** 2 for r in ratios) / (len(ratios) - 1)) if len(ratios) > 1 else 0.0
+            results[name][f"{point:.0%}"] = {"mean": round(mean, 5), "sd": round(sd, 5),
+                                            "runs": [round(r, 5) for r in ratios]}
+    return results
+
+
+def openb_table(trace: Openb, results: dict, seeds: int, seconds: float) -> str:
+    multi = sum(1 for s in trace.shares if s > 1)
+    lines = [f"{trace.source}: {len(trace.nodes)} GPU nodes, {trace.capacity} GPUs; {len(trace.shares)} GPU pods "
+             f"({sum(1 for s in trace.shares if s < 1)} fractional, {multi} multi-GPU), {trace.without_gpu} "
+             f"without GPU left out",
+             f"pods drawn at random (seeds 0-{seeds - 1}), nothing leaves; GPU allocation ratio = GPU allocated "
+             f"/ GPU capacity when the GPU requested reaches the demand; {seconds:.1f} s", ""]
+    rows = [["placement", "demand", "allocation ratio (mean ± sd)"]]
+    for name, points in results.items():
+        for point, r in points.items():
+            rows.append([name, point, f"{r['mean'] * 100:.2f}% ± {r['sd'] * 100:.2f}"])
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
 # --- the command ----------------------------------------------------------------------------------------
 
 PHILLY_HEADER = ["timestamp", "duration", "num_gpus", "gpu_time", "cluster"]
@@ -660,7 +872,8 @@ def _capacity(text: str) -> tuple[str, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("workload", help="a workload CSV: a Philly trace (philly.csv)")
+    parser.add_argument("workload", help="a workload CSV: a Philly trace (philly.csv); or `openb` (or an openb pod "
+                                         "list) for the placement experiment of the FGD paper")
     parser.add_argument("--policies", help="policy directory to replay under")
     parser.add_argument("--against", help="a second policy directory, replayed beside the first")
     parser.add_argument("--capacity", type=_capacity, action="append", default=[], metavar="MODEL=N",
@@ -678,6 +891,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write DIR/pooled and DIR/dedicated, the Philly cluster as policies, and stop")
     parser.add_argument("--philly-vcs", metavar="CSV",
                         help="philly_vc.csv (default: beside the workload)")
+    parser.add_argument("--seeds", type=int, default=10, metavar="N",
+                        help="openb: random arrival orders, seeds 0 … N-1 (default: 10)")
+    parser.add_argument("--placement", action="append", choices=PLACEMENTS,
+                        help="openb: the placement policy to measure (repeatable; default: all)")
+    parser.add_argument("--openb-nodes", metavar="CSV",
+                        help=f"openb: the node list (default: {OPENB_NODES} beside the pod list)")
 
 
 def _write_policy(policy: Policy, folder: Path) -> None:
@@ -688,7 +907,40 @@ def _write_policy(policy: Policy, folder: Path) -> None:
     (folder / "policy.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
 
 
+def _is_openb(workload: str) -> bool:
+    if workload == "openb":
+        return True
+    try:
+        with open(workload, newline="") as f:
+            return next(csv.reader(f), [])[:5] == OPENB_PODS_HEADER
+    except OSError:
+        return False
+
+
+def openb_main(args: argparse.Namespace) -> int:
+    pods = default_openb_dir() / OPENB_PODS if args.workload == "openb" else Path(args.workload)
+    if args.seeds < 1:
+        print("gpupool replay: --seeds must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        trace = read_openb(pods, args.openb_nodes)
+    except (OSError, ValueError, KeyError) as error:
+        print(f"gpupool replay: {error}", file=sys.stderr)
+        return 2
+    began = time.perf_counter()
+    results = openb_experiment(trace, args.placement or PLACEMENTS, args.seeds)
+    seconds = time.perf_counter() - began
+    if args.format == "json":
+        print(json.dumps({"source": trace.source, "gpus": trace.capacity, "seeds": args.seeds,
+                          "seconds": round(seconds, 2), "allocation_ratio": results}, indent=2))
+    else:
+        print(openb_table(trace, results, args.seeds, seconds))
+    return 0
+
+
 def main(args: argparse.Namespace) -> int:
+    if _is_openb(args.workload):
+        return openb_main(args)
     try:
         if args.write_philly_policies:
             vcs = read_philly_vcs(args.philly_vcs or Path(args.workload).with_name("philly_vc.csv"))

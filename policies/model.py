@@ -481,6 +481,11 @@ class Datasets(Strict):
     s3: S3Storage = Field(S3Storage(), description="The object store, with `storage: s3`.")
 
 
+#: How the pool chooses cards for a share (`spawner/placement.py`).
+PLACEMENTS: tuple[str, ...] = ("best-fit", "fragmentation-aware")
+DEFAULT_PLACEMENT = "fragmentation-aware"
+
+
 class Settings(Strict):
     """Pool-wide settings."""
 
@@ -494,6 +499,12 @@ class Settings(Strict):
         None,
         pattern=r"https?://[^\s]+",
         description="Budget alerts are also POSTed here as JSON (team, period, scope, threshold, message).",
+    )
+    placement: Literal["best-fit", "fragmentation-aware"] = Field(
+        DEFAULT_PLACEMENT,
+        description="Embedded mode: which card a share goes on. `best-fit`: the fullest card with room. "
+        "`fragmentation-aware`: where the free share left on cards stays most usable by the profiles' "
+        "shares (the FGD measure, USENIX ATC'23). `gpupool replay openb` compares both.",
     )
 
 

@@ -42,6 +42,7 @@ from gpupool.spawner.pool import (
     AllocationStore, Decide, Denied, LocalPool, QueueTimeout, Request, Verdict, discover_cards, process_alive,
     process_start_time,
 )
+from gpupool.spawner.placement import placement_for
 from gpupool.spawner.requeue import requeue
 
 _pools: dict[str, LocalPool] = {}
@@ -95,7 +96,8 @@ def get_pool(state_dir: str, policy_of: Callable[[], Policy], ledger: Ledger, lo
         Path(state_dir).mkdir(parents=True, exist_ok=True)
         cards, source = discover_cards(policy_of())
         decide = admission(policy_of, ledger, log)
-        pool = LocalPool(cards, AllocationStore(Path(state_dir) / "allocations.sqlite"), decide)
+        pool = LocalPool(cards, AllocationStore(Path(state_dir) / "allocations.sqlite"), decide,
+                         lambda model: placement_for(policy_of(), model))
         pool.devices_are_real = source == "nvml"
         _pools[state_dir] = pool
         # Exit records nobody read (servers the hub stopped itself) are only clutter after a day.

@@ -27,8 +27,10 @@ from prometheus_client import Gauge, Histogram
 from gpupool.hub.accounting.admission import Holdings, format_share
 from gpupool.hub.accounting.db import create_engine, writer
 from gpupool.policies.model import Policy
+from gpupool.spawner.placement import Placement, choose_cards
 
 log = logging.getLogger("gpupool.pool")
+BEST_FIT = Placement("best-fit")
 
 # In the hub process these join JupyterHub's own metrics at /hub/metrics (the default registry).
 QUEUE_LENGTH = Gauge("gpupool_queue_length", "Requests waiting in the embedded pool's queue", ["team"])
@@ -111,24 +113,16 @@ def discover_cards(policy: Policy) -> tuple[list[Card], Literal["nvml", "declare
 # --- placement (pure) -------------------------------------------------------------------------------
 
 
-def place(cards: Iterable[Card], used: dict[str, Fraction], model: str, share: Fraction) -> tuple[str, ...] | None:
-    """Cards for `share` of `model`: best fit for a fraction, free cards for whole ones; None if it does not fit.
+def place(cards: Iterable[Card], used: dict[str, Fraction], model: str, share: Fraction,
+          placement: Placement = BEST_FIT) -> tuple[str, ...] | None:
+    """Cards for `share` of `model` as `placement` chooses them (`spawner.placement`); None if it does not fit.
 
-    Best fit (the fullest card that still has room) keeps whole cards free for whole-card requests.
+    Best fit (the fullest card that still has room) keeps whole cards free for whole-card requests; whole
+    cards go on the first free cards.
     """
-    candidates = [c for c in cards if c.model == model]
-    if share < 1:
-        fitting = [c for c in candidates if 1 - used.get(c.uuid, Fraction(0)) >= share]
-        if not fitting:
-            return None
-        best = min(fitting, key=lambda c: (1 - used.get(c.uuid, Fraction(0)), c.index))
-        return (best.uuid,)
-    if share.denominator != 1:
-        raise ValueError(f"a share above one card must be whole cards, not {share}")
-    free = [c for c in candidates if used.get(c.uuid, Fraction(0)) == 0]
-    if len(free) < share:
-        return None
-    return tuple(c.uuid for c in sorted(free, key=lambda c: c.index)[: int(share)])
+    candidates = sorted((c for c in cards if c.model == model), key=lambda c: c.index)
+    chosen = choose_cards([1 - used.get(c.uuid, Fraction(0)) for c in candidates], share, placement)
+    return None if chosen is None else tuple(candidates[i].uuid for i in chosen)
 
 
 # --- the persistent allocation store ---------------------------------------------------------------
@@ -242,7 +236,7 @@ class AllocationStore:
                 used[card] = used.get(card, Fraction(0)) + (a.share if a.share < 1 else 1)
         return used
 
-    def reserve(self, request: Request, cards: list[Card]) -> Allocation | None:
+    def reserve(self, request: Request, cards: list[Card], placement: Placement = BEST_FIT) -> Allocation | None:
         """Place and record `request` atomically; None when it does not fit (nothing written)."""
         with self.engine.begin() as db:
             rows = db.execute(sa.select(allocations_table)).all()
@@ -251,7 +245,7 @@ class AllocationStore:
             used: dict[str, Fraction] = {}
             for row in rows:
                 used[row.card] = used.get(row.card, Fraction(0)) + Fraction(row.share_num, row.share_den)
-            chosen = place(cards, used, request.model, request.share)
+            chosen = place(cards, used, request.model, request.share, placement)
             if chosen is None:
                 return None
             per_card = request.share if request.share < 1 else Fraction(1)
@@ -432,10 +426,12 @@ class Ticket:
 class LocalPool:
     """One machine's cards, the allocation store and the wait queue, shared by all spawns of a hub."""
 
-    def __init__(self, cards: list[Card], store: AllocationStore, decide: Decide = admit_all):
+    def __init__(self, cards: list[Card], store: AllocationStore, decide: Decide = admit_all,
+                 placement: Callable[[str], Placement] = lambda model: BEST_FIT):
         self.cards = cards
         self.store = store
         self.decide = decide
+        self.placement = placement  # per model, read at each placement (policies reload)
         self.waiting: dict[str, Ticket] = {}
         self.devices_are_real = False  # True when the cards came from NVML
         self._queued_teams: set[str] = set()
@@ -545,7 +541,7 @@ class LocalPool:
         by_key = {t.request.key: t for t in pending}
         outcomes, still_keys = admit_in_order(
             [(t.request, t.seq) for t in pending], Holdings.of(self.store.all()), self.decide,
-            lambda request: self.store.reserve(request, self.cards), self.capacity,
+            lambda request: self.store.reserve(request, self.cards, self.placement(request.model)), self.capacity,
         )
         for outcome in outcomes:
             ticket = by_key[outcome.key]

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpupool.policies.model import Policy
+from gpupool.spawner.placement import placement_for
 from gpupool.spawner.pool import AllocationStore, Card, Denied, LocalPool, Request
 from gpupool.hub import replay as R
 
@@ -53,8 +54,8 @@ class RecordingStore(AllocationStore):
         super().__init__(path)
         self.order: list[str] = []
 
-    def reserve(self, request, cards):
-        allocation = super().reserve(request, cards)
+    def reserve(self, request, cards, *placement):
+        allocation = super().reserve(request, cards, *placement)
         if allocation is not None:
             self.order.append(request.key)
         return allocation
@@ -66,7 +67,7 @@ async def run_the_real_pool(work: R.Workload, policy: Policy, tmp_path: Path) ->
     meter = R.Meter(work.start)
     decide = R.Admission(policy, meter)
     cards = R.pool_cards(policy)
-    pool = LocalPool(cards, store, decide)
+    pool = LocalPool(cards, store, decide, lambda model: placement_for(policy, model))  # as `get_pool` wires it
     heap = [(job.arrival, 1, seq, job) for seq, job in enumerate(work.jobs)]
     heapq.heapify(heap)
     tasks: dict[str, asyncio.Task] = {}
@@ -100,11 +101,25 @@ async def run_the_real_pool(work: R.Workload, policy: Policy, tmp_path: Path) ->
     return {"order": store.order, "started": started, "denied": denied}
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_the_replay_agrees_with_the_real_pool(seed, tmp_path):
+#: POLICY with profiles of a quarter and a half card, whose shares fragmentation-aware placement keeps usable.
+PROFILED = {
+    placement: Policy.model_validate({
+        **POLICY.model_dump(mode="json", exclude_defaults=True),
+        "profiles": {name: {"display_name": name, "gpu": {"model": "H200", "share": share}, "teams": ["vision"]}
+                     for name, share in (("quarter", 0.25), ("half", 0.5))},
+        "settings": {"placement": placement},
+    })
+    for placement in ("best-fit", "fragmentation-aware")
+}
+
+
+# Seeds 5 and 9 place 8 and 9 jobs on other cards under fragmentation-aware placement than under best fit.
+@pytest.mark.parametrize("seed, policy", [(1, POLICY), (2, POLICY), (3, POLICY), (4, PROFILED["best-fit"]),
+                                          (5, PROFILED["fragmentation-aware"]), (9, PROFILED["fragmentation-aware"])])
+def test_the_replay_agrees_with_the_real_pool(seed, policy, tmp_path):
     work = workload(seed)
-    real = asyncio.run(run_the_real_pool(work, POLICY, tmp_path))
-    run = R.replay(work, POLICY)
+    real = asyncio.run(run_the_real_pool(work, policy, tmp_path))
+    run = R.replay(work, policy)
     assert run.placed_order == real["order"]
     assert {k: (r.started, r.cards) for k, r in run.results.items() if r.started is not None} == real["started"]
     assert {k for k, r in run.results.items() if r.denied} == real["denied"]
