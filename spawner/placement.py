@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from gpupool.policies.model import DEFAULT_PLACEMENT, PLACEMENTS, Policy
-from gpupool.spawner.resources import profile_share
+from gpupool.policies.resources import profile_share
 
 #: Request sizes and how often each is asked for (the weights sum to 1): FGD's target workload.
 Demands = tuple[tuple[Fraction, Fraction], ...]
