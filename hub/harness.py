@@ -337,6 +337,11 @@ class Terminal:
         self.ws.close()
 
 
+def _address(url: str) -> str:
+    """A request's URL without its query and fragment: what a page's periodic refresh asks again."""
+    return url.split("#", 1)[0].split("?", 1)[0]
+
+
 class Browser:
     """Headless Chromium (Debian `chromium` + `chromium-driver`) driven by selenium, logging its console and network.
 
@@ -423,11 +428,16 @@ class Browser:
         for entry in self.driver.get_log("performance"):
             event = json.loads(entry["message"])["message"]
             params = event.get("params", {})
+            if event["method"] == "Page.frameNavigated" and not params["frame"].get("parentId"):
+                # A new document in the tab: what the page before it still had in flight is no longer its
+                # own, and Chromium does not always report those requests as cancelled.
+                self._pending.clear()
+                continue
             if not event["method"].startswith("Network."):
                 continue
             events += 1
             if event["method"] == "Network.requestWillBeSent" and params.get("type") != "EventSource":
-                self._pending[params["requestId"]] = params["request"]["url"]
+                self._pending[params["requestId"]] = _address(params["request"]["url"])
             elif event["method"] == "Network.responseReceived":
                 response = params["response"]
                 self._responses[params["requestId"]] = {"url": response["url"], "status": response["status"]}
@@ -456,10 +466,11 @@ class Browser:
     def wait_page_loaded(self, timeout: float = 300) -> None:
         """Until every request the page has made has been answered, except repeats of requests answered before.
 
-        A page that refreshes itself (MLflow's UI polls) is never quiet on a busy machine, so "no network
-        for N seconds" depends on the load; a repeat of a URL already answered is such a refresh, anything
-        else is the page still loading. Checked on two reads a quarter second apart, so that requests a
-        finished one has just caused are seen. Requests that never end (workers, long polls) do not count.
+        A page that refreshes itself (MLflow's UI polls, with the time window in the query) is never quiet on a
+        busy machine, so "no network for N seconds" depends on the load; a repeat of an address (the URL
+        without its query) already answered is such a refresh, anything else is the page still loading.
+        Checked on two reads a quarter second apart, so that requests a finished one has just caused are seen.
+        Requests that never end (workers, long polls) and those of the page before this one do not count.
         """
         deadline = time.monotonic() + timeout
         settled = 0
