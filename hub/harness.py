@@ -40,7 +40,8 @@ def service_config(token: str, extra: str = "") -> str:
 c.JupyterHub.services.append({{"name": "harness", "api_token": {token!r}}})
 c.JupyterHub.load_roles.append({{
     "name": "harness",
-    "scopes": ["admin:users", "admin:servers", "access:servers", "admin:groups", "read:users", "tokens"],
+    "scopes": ["admin:users", "admin:servers", "access:servers", "admin:groups", "read:users", "tokens",
+               "read:metrics"],
     "services": ["harness"],
 }})
 # Test machines are small and busy (servers, MLflow and the tests share two cores): servers get time to answer.

@@ -383,7 +383,8 @@ class Admission:
             )
             decision = admission.decide(self.policy, question, holdings, self._usage)
             # As the embedded spawner's `admission()` turns a Decision into the pool's Verdict.
-            verdict = Verdict(decision.action, "" if decision.admitted else decision.reason, decision.priority)
+            verdict = Verdict(decision.action, "" if decision.admitted else decision.reason, decision.priority,
+                              code=decision.code)
             self._cache[asked] = verdict
         self.last[request.key] = verdict
         return verdict

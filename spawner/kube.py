@@ -20,7 +20,7 @@ from fractions import Fraction
 from typing import Any, ClassVar
 
 from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest, Decision, Holdings
+from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest, Decision, Holdings, Reason
 from gpupool.hub.accounting.ledger import HowEnded
 from gpupool.hub.accounting.notify import admit_now
 from gpupool.policies.choice import Choice
@@ -28,7 +28,8 @@ from gpupool.policies.model import Policy, parse_quantity
 from gpupool.policies.resources import GPUResources, profile_gpu, profile_share
 from gpupool.spawner import podgroups
 from gpupool.spawner.datasets import KUBE_POST_START, KUBE_TEAM_ROOT, kube_env
-from gpupool.spawner.mixin import GPUPoolSpawnerMixin
+from gpupool.spawner.metrics import count_decision
+from gpupool.spawner.mixin import GPUPoolSpawnerMixin, refusal
 from gpupool.spawner.volcano import (
     DEPRIORITIZED_CLASS,
     Release,
@@ -250,6 +251,7 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
     _gpupool_baseline: dict[str, Any] | None = None
     _gpupool_admitted_at = None  # when Volcano's queue admitted the pod (UTC): its queue wait ends there
     _gpupool_status: str | None = None
+    _gpupool_waiting: Reason | None = None  # the code of the wait `_gpupool_status` tells of
     _gpupool_stopping = False
 
     @default("automount_service_account_token")
@@ -467,11 +469,12 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         reason = "waiting for Volcano to take it into the queue"
         while True:
             if self._gpupool_stopping:
-                raise web.HTTPError(503, f'{wanted.display_name}: stopped while waiting in queue "{wanted.queue}"')
+                raise self._ended(f'{wanted.display_name}: stopped while waiting in queue "{wanted.queue}"',
+                                  Reason.CANCELLED)
             pod = pods.resources.get(ref_key)
             if pod is None and seen:
-                raise web.HTTPError(503, f"{wanted.display_name}: the pod was deleted while it waited in queue "
-                                         f'"{wanted.queue}"')
+                raise self._ended(f"{wanted.display_name}: the pod was deleted while it waited in queue "
+                                  f'"{wanted.queue}"', Reason.CANCELLED)
             seen = seen or pod is not None
             uid = ((pod or {}).get("metadata") or {}).get("uid")
             name = podgroups.podgroup_name(uid) if uid else None
@@ -483,6 +486,7 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
                 if admitted_at is None:
                     admitted_at = now
                     self._gpupool_admitted_at = periods.utcnow()
+                    self._gpupool_waiting = None
                     self._gpupool_status = f'{wanted.display_name}: admitted by queue "{wanted.queue}", starting'
                 elif now - admitted_at > start_timeout and not self.is_pod_running(pod):
                     # (a running, ready pod has started: KubeSpawner notices at its next look)
@@ -497,13 +501,25 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
                     position = (podgroups.queue_position(all_groups, name, wanted.queue, priorities)
                                 if name else None)
                     self._gpupool_status = podgroups.waiting_message(wanted, position, reason)
+                    self._waiting_for(Reason.VOLCANO_PENDING)
                 if now - began > queue_timeout:
-                    raise web.HTTPError(503, f'{wanted.display_name} waited {queue_timeout} seconds in queue '
-                                             f'"{wanted.queue}" without a place ({reason}); try again later '
-                                             "or pick a smaller profile")
+                    raise self._ended(f'{wanted.display_name} waited {queue_timeout} seconds in queue '
+                                      f'"{wanted.queue}" without a place ({reason}); try again later '
+                                      "or pick a smaller profile", Reason.QUEUE_TIMEOUT)
             await asyncio.sleep(self.queue_poll_interval)
 
     # --- accounting: admission before the pod, usage while it runs ------------------------------------
+
+    def _waiting_for(self, code: Reason) -> None:
+        """The spawn waits for reason `code`: on the progress stream, and counted once per new reason."""
+        if self._gpupool_waiting != code:
+            self._gpupool_waiting = code
+            count_decision(code)
+
+    def _ended(self, message: str, code: Reason):
+        """The exception for a wait that ended without a server (counted)."""
+        count_decision(code)
+        return refusal(message, code)
 
     async def admit(self, choice: Choice) -> Decision:
         """The accounting's decision, as in the embedded mode: a budget `deny` refuses with 403, a full
@@ -531,15 +547,19 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
                     self.admitted_spawns[self.pod_name] = AdmittedSpawn(
                         self.user.name, choice.team, gpu.model, profile_share(choice.profile, policy))
             if decision.action == "deny":
-                raise web.HTTPError(403, decision.reason)
+                count_decision(decision.code)
+                raise refusal(decision.reason, decision.code)
             if decision.admitted:
+                count_decision(decision.code)
                 return decision
             self._gpupool_status = f"Waiting for {choice.profile.display_name}: {decision.reason}"
+            self._waiting_for(decision.code)
             if self._gpupool_stopping:
-                raise web.HTTPError(503, f"{choice.profile.display_name}: stopped while waiting for quota")
+                raise self._ended(f"{choice.profile.display_name}: stopped while waiting for quota", Reason.CANCELLED)
             if loop.time() - began > queue_timeout:
-                raise web.HTTPError(503, f"{choice.profile.display_name} waited {queue_timeout} seconds for quota "
-                                         f"({decision.reason}); try again later or pick a smaller profile")
+                raise self._ended(f"{choice.profile.display_name} waited {queue_timeout} seconds for quota "
+                                  f"({decision.reason}); try again later or pick a smaller profile",
+                                  Reason.QUEUE_TIMEOUT)
             await asyncio.sleep(self.queue_poll_interval)
 
     async def _start(self):
@@ -547,6 +567,7 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         choice = self.gpupool_choice
         self._gpupool_stopping = False
         self._gpupool_admitted_at = None
+        self._gpupool_waiting = None
         asked = periods.utcnow()
         decision = await self.admit(choice)
         start = watch = None
@@ -558,8 +579,9 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
             problem = await self.capacity_problem(choice)
             if problem:
                 # Not a user error and not temporary: the policy offers a profile this cluster cannot hold.
-                raise web.HTTPError(409, problem)
-            self._gpupool_status = None
+                count_decision(Reason.NEVER_FITS_POOL)
+                raise refusal(problem, Reason.NEVER_FITS_POOL)
+            self._gpupool_status = self._gpupool_waiting = None
             start = asyncio.ensure_future(super()._start())
             watch = asyncio.ensure_future(self._watch_queue(choice))
             await asyncio.wait({start, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -611,10 +633,11 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
                     await asyncio.wait({upcoming}, timeout=self.queue_poll_interval)
                 else:  # KubeSpawner's events are off or over: keep telling about the queue until start ends
                     await asyncio.sleep(self.queue_poll_interval)
-                status = self._gpupool_status
+                status, waiting = self._gpupool_status, self._gpupool_waiting
                 if status and status != shown:
                     shown = status
-                    yield {"message": status}
+                    # `reason`: the wait's code (admission.Reason), for scripts reading the progress stream
+                    yield {"message": status, **({"reason": str(waiting)} if waiting else {})}
                 if upcoming is not None and upcoming.done():
                     try:
                         event = upcoming.result()

@@ -37,10 +37,9 @@ from gpupool.spawner.accounts import (
     DEFAULT_RECORD, Account, IdentityConflict, ensure_account, is_shared_with_group, share_with_group,
 )
 from gpupool.spawner.datasets import ServerDatasets
-from gpupool.spawner.mixin import GPUPoolSpawnerMixin
+from gpupool.spawner.mixin import GPUPoolSpawnerMixin, refusal
 from gpupool.spawner.pool import (
-    AllocationStore, Decide, Denied, LocalPool, QueueTimeout, Request, Verdict, discover_cards, process_alive,
-    process_start_time,
+    AllocationStore, Decide, LocalPool, Refused, Request, Verdict, discover_cards, process_alive, process_start_time,
 )
 from gpupool.spawner.placement import placement_for
 from gpupool.spawner.requeue import requeue
@@ -54,7 +53,8 @@ def admission(policy_of: Callable[[], Policy], ledger: Ledger, log) -> Decide:
     def decide(request: Request, holdings: Holdings) -> Verdict:
         asked = AdmissionRequest(user=request.user, team=request.team, at=periods.utcnow(), profile=request.profile)
         decision = admit_now(policy_of(), ledger, asked, holdings, log)
-        return Verdict(decision.action, "" if decision.admitted else decision.reason, decision.priority)
+        return Verdict(decision.action, "" if decision.admitted else decision.reason, decision.priority,
+                       code=decision.code)
 
     return decide
 
@@ -567,8 +567,8 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             try:
                 allocation = await self.pool.acquire(request, timeout=self.policy.queue_timeout(choice.team),
                                                      options=dict(self.user_options or {}))
-            except (QueueTimeout, Denied) as error:
-                raise web.HTTPError(503 if isinstance(error, QueueTimeout) else 403, str(error)) from None
+            except Refused as error:
+                raise refusal(str(error), error.code) from None
             except asyncio.CancelledError:
                 # Stopped while waiting (the progress page's button, DELETE on the server). JupyterHub cleans up
                 # after a failed start but not after a cancelled one: the server record it made for this spawn
@@ -607,7 +607,8 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             message = ticket.message()
             if message != shown:  # a position or reason that did not change is not news
                 shown = message
-                yield {"progress": 10, "message": message}
+                # `reason`: the wait's code (admission.Reason), for scripts reading the progress stream
+                yield {"progress": 10, "message": message, **({"reason": str(ticket.code)} if ticket.code else {})}
             try:
                 await asyncio.wait_for(ticket.changed.wait(), 5)
             except TimeoutError:

@@ -12,12 +12,14 @@ import os
 import socket
 from pathlib import Path
 
+from jupyterhub.spawner import SpawnException
 from sqlalchemy.orm import object_session
 from sqlalchemy.orm.exc import UnmappedInstanceError
 from tornado import web
 from traitlets import Unicode, default
 from traitlets.config import LoggingConfigurable
 
+from gpupool.hub.accounting.admission import Reason
 from gpupool.policies import DEFAULT_POLICY_DIR, Policy
 from gpupool.policies.choice import Choice, ChoiceRefused, check_choice
 from gpupool.policies.identity import server_username_problem
@@ -37,6 +39,32 @@ def mlflow_env(url: str, token: str, team: str | None) -> dict[str, str]:
     if team:
         env["MLFLOW_EXPERIMENT_NAME"] = team
     return env
+
+
+class AdmissionRefused(SpawnException):
+    """A spawn the pool refused or gave up on, as JupyterHub's `SpawnException` with the reason code.
+
+    JupyterHub counts it as a handled rejection (status `failure`, not an error) under `reason=<code>` in
+    `jupyterhub_server_spawn_duration_seconds`, logs no traceback, and shows `jupyterhub_message` on the spawn
+    page, in the progress stream's failed event and as the REST error's `message`: the message for people
+    with the code after it, `(reason: quota-never-fits)`, so a script can tell why without parsing prose.
+    """
+
+    def __init__(self, message: str, code: Reason, status_code: int):
+        super().__init__(message, reason=str(code), status_code=status_code)
+        self.code = code
+        self.jupyterhub_message = f"{message} (reason: {code})"
+
+
+#: The HTTP status of each refusal: a decision of the policy is 403, a profile the pool can never hold 409
+#: (the administrator's to fix), a wait that ended 503 (try again later).
+REFUSAL_STATUS = {"deny": 403, "end": 503}
+
+
+def refusal(message: str, code: Reason) -> AdmissionRefused:
+    """The exception a spawner raises for an admission that ended without a server."""
+    status = 409 if code is Reason.NEVER_FITS_POOL else REFUSAL_STATUS[code.action]
+    return AdmissionRefused(message, code, status)
 
 
 class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):

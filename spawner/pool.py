@@ -22,20 +22,14 @@ from typing import Literal
 
 import psutil
 import sqlalchemy as sa
-from prometheus_client import Gauge, Histogram
-
-from gpupool.hub.accounting.admission import Holdings, format_share
+from gpupool.hub.accounting.admission import Holdings, Reason, format_share
 from gpupool.hub.accounting.db import create_engine, writer
 from gpupool.policies.model import Policy
+from gpupool.spawner.metrics import QUEUE_LENGTH, QUEUE_WAIT, count_decision
 from gpupool.spawner.placement import Placement, choose_cards
 
 log = logging.getLogger("gpupool.pool")
 BEST_FIT = Placement("best-fit")
-
-# In the hub process these join JupyterHub's own metrics at /hub/metrics (the default registry).
-QUEUE_LENGTH = Gauge("gpupool_queue_length", "Requests waiting in the embedded pool's queue", ["team"])
-QUEUE_WAIT = Histogram("gpupool_queue_wait_seconds", "Time requests waited in the queue before they were placed",
-                       ["team"], buckets=(1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600))
 
 
 # --- cards ------------------------------------------------------------------------------------------
@@ -387,6 +381,7 @@ class Verdict:
     action: Literal["admit", "wait", "deny"]
     reason: str = ""
     priority: int | None = None  # overrides the request's priority (deprioritized work)
+    code: Reason = field(kw_only=True)  # the decision's reason code (admission.Reason)
 
 
 #: Admission: given a request and what is held, may it start now? (The accounting service plugs in here.)
@@ -394,14 +389,23 @@ Decide = Callable[[Request, Holdings], Verdict]
 
 
 def admit_all(request: Request, holdings: Holdings) -> Verdict:
-    return Verdict("admit")
+    return Verdict("admit", code=Reason.WITHIN_QUOTA)
 
 
-class QueueTimeout(Exception):
-    pass
+class Refused(Exception):
+    """The queue gave up on a request: `code` says why (a `Reason`), the message says it for people."""
+
+    def __init__(self, message: str, code: Reason):
+        super().__init__(message)
+        self.code = code
 
 
-class Denied(Exception):
+class QueueTimeout(Refused):
+    def __init__(self, message: str):
+        super().__init__(message, Reason.QUEUE_TIMEOUT)
+
+
+class Denied(Refused):
     pass
 
 
@@ -415,6 +419,7 @@ class Ticket:
     position: int = 0
     of: int = 0
     reason: str = ""
+    code: Reason | None = None  # why it waits, once a pass of the queue has looked at it
     last_message: str = ""
 
     def message(self) -> str:
@@ -456,9 +461,10 @@ class LocalPool:
         (`forget`); a cancellation by a hub that is going down leaves it there, to come back.
         """
         if request.share > self.capacity(request.model):
+            count_decision(Reason.NEVER_FITS_POOL)
             raise Denied(
                 f"{request.display_name} can never fit: the pool has {self.capacity(request.model)} "
-                f"{request.model} card(s)"
+                f"{request.model} card(s)", Reason.NEVER_FITS_POOL,
             )
         if request.key in self.waiting:
             raise ValueError(f"{request.key} is already waiting")
@@ -483,6 +489,7 @@ class LocalPool:
         except TimeoutError:
             if placed():  # placed in the same instant the timeout fired
                 return ticket.future.result()
+            count_decision(Reason.QUEUE_TIMEOUT)
             raise QueueTimeout(
                 f"Gave up waiting for {request.display_name} after {timeout:.0f} s in queue "
                 f'"{request.team}" (the queue timeout of the policy); {ticket.reason or "the pool stayed full"}'
@@ -531,12 +538,20 @@ class LocalPool:
             for team in self._queued_teams:
                 QUEUE_LENGTH.labels(team).set(waiting.count(team))
 
+    @staticmethod
+    def _waits(ticket: Ticket, code: Reason) -> None:
+        """`ticket` waits for reason `code`: counted when the reason is new for it, not at every pass."""
+        if ticket.code != code:
+            ticket.code = code
+            count_decision(code)
+
     def _schedule(self, pending: list[Ticket]) -> None:
         # Requests queued before the hub restarted, and not yet back, come first: later ones wait for them.
         first_restoring = min((q.seq for q in self.restoring.values()), default=None)
         held_back = [t for t in pending if first_restoring is not None and t.seq > first_restoring]
         for ticket in held_back:
             ticket.reason = "requests queued before the hub restarted come first"
+            self._waits(ticket, Reason.RESTART_ORDER)
         pending = [t for t in pending if t not in held_back]
         by_key = {t.request.key: t for t in pending}
         outcomes, still_keys = admit_in_order(
@@ -546,10 +561,13 @@ class LocalPool:
         for outcome in outcomes:
             ticket = by_key[outcome.key]
             if outcome.action == "deny":
-                ticket.future.set_exception(Denied(outcome.reason))
+                count_decision(outcome.code)
+                ticket.future.set_exception(Denied(outcome.reason, outcome.code))
             elif outcome.action == "wait":
                 ticket.reason = outcome.reason
+                self._waits(ticket, outcome.code)
             else:
+                count_decision(outcome.code)
                 QUEUE_WAIT.labels(ticket.request.team).observe(time.monotonic() - ticket.arrived)
                 ticket.future.set_result(outcome.allocation)
         still = [by_key[key] for key in still_keys] + held_back
@@ -572,6 +590,7 @@ class Outcome:
 
     key: str
     action: Literal["place", "wait", "deny"]
+    code: Reason
     reason: str = ""
     allocation: Allocation | None = None
 
@@ -631,24 +650,24 @@ def admit_in_order(
             verdicts[request.key] = decide(request, holdings)
         verdict = verdicts[request.key]
         if verdict.action == "deny":
-            outcomes.append(Outcome(request.key, "deny", verdict.reason))
+            outcomes.append(Outcome(request.key, "deny", verdict.code, verdict.reason))
             continue
         if verdict.action == "wait":
-            outcomes.append(Outcome(request.key, "wait", verdict.reason))
+            outcomes.append(Outcome(request.key, "wait", verdict.code, verdict.reason))
             continue
         if request.model in blocked_models:
-            outcomes.append(Outcome(request.key, "wait", full(request)))
+            outcomes.append(Outcome(request.key, "wait", Reason.NO_CAPACITY, full(request)))
             continue
         allocation = reserve(request)
         if allocation is None:
             # An earlier request that does not fit keeps later ones of the same model from overtaking it.
             blocked_models.add(request.model)
-            outcomes.append(Outcome(request.key, "wait", full(request)))
+            outcomes.append(Outcome(request.key, "wait", Reason.NO_CAPACITY, full(request)))
             continue
         holdings = holding_more(holdings, allocation)
         version += 1
         placed = True
-        outcomes.append(Outcome(request.key, "place", allocation=allocation))
+        outcomes.append(Outcome(request.key, "place", verdict.code, allocation=allocation))
     done = {o.key for o in outcomes if o.action != "wait"}
     still = sorted((p for p in pending if p[0].key not in done),
                    key=lambda p: queue_order(p[0], p[1], verdicts[p[0].key]))

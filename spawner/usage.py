@@ -10,16 +10,13 @@ from __future__ import annotations
 import os
 from datetime import UTC, datetime, timedelta
 
-from prometheus_client import Counter
 from traitlets import Unicode, default
 from traitlets.config import LoggingConfigurable
 
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import HowEnded, Ledger, run_key
 from gpupool.policies.resources import profile_share
-
-# In the hub process this joins JupyterHub's own metrics at /hub/metrics (the default registry).
-LEDGER_WRITE_ERRORS = Counter("gpupool_ledger_write_errors", "Usage ledger writes that failed", ["operation"])
+from gpupool.spawner.metrics import LEDGER_WRITE_ERRORS
 
 _ledgers: dict[str, Ledger] = {}
 

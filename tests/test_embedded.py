@@ -40,6 +40,7 @@ profiles:
   cpu: {display_name: CPU only, teams: [vision, nlp], default: true}
   h200-quarter: {display_name: 0.25 × H200, gpu: {model: H200, share: 0.25}, teams: [vision, nlp]}
   h200-half: {display_name: 0.5 × H200, gpu: {model: H200, share: 0.5}, teams: [vision]}
+  h200-whole: {display_name: 1 × H200, gpu: {model: H200, count: 1}, teams: [vision, nlp]}
 """,
     "billing.yaml": "billing: {prices: {H200: '3.20'}}\n",
 }
@@ -129,12 +130,41 @@ def test_team_quota_makes_the_next_spawn_wait(hub):
     assert events[-1]["message"] == (
         'Waiting for 0.25 × H200: position 1 of 1 in queue "nlp" (team "nlp" holds 0.5 of 0.5 GPUs (quota))'
     )
+    assert events[-1]["reason"] == "quota-full", "the progress stream carries the wait's code for scripts"
     assert "q3/" not in hub.allocations(), "the cards have room: only the quota holds q3 back"
     hub.stop_server("q1")
     hub.wait_ready("q3")
     for n in (2, 3):
         hub.stop_server(f"q{n}")
     assert not [k for k in hub.allocations() if k.startswith("q")]
+
+
+def metric(hub: Hub, name: str, **labels: str) -> float:
+    """A sample of the hub's /hub/metrics (JupyterHub's and gpupool's), read with the harness's read:metrics."""
+    text = hub.api("GET", "/metrics").text
+    wanted = {f'{key}="{value}"' for key, value in labels.items()}
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            found = set(line[len(name) + 1:line.index("}")].split(","))
+            if wanted <= found:
+                total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_refused_spawn_carries_its_reason_code_in_the_rest_error_and_the_metrics(hub):
+    # nlp's members may hold 0.5 GPU at once: a whole card can never start for them, so it is refused at once.
+    hub.add_user("rhea", "nlp")
+    before = metric(hub, "jupyterhub_server_spawn_duration_seconds_count", reason="quota-never-fits")
+    reply = hub.api("POST", "/users/rhea/server", json={"profile": "h200-whole"})
+    assert reply.status_code == 403, reply.text
+    assert reply.json()["message"] == ('1 × H200 can never start: team "nlp" may hold at most 0.5 GPUs '
+                                       "at once (quota) (reason: quota-never-fits)")
+    # JupyterHub counts it as a handled rejection under the code; gpupool counts the decision.
+    assert metric(hub, "jupyterhub_server_spawn_duration_seconds_count", status="failure",
+                  reason="quota-never-fits") == before + 1
+    assert metric(hub, "gpupool_admission_decisions_total", action="deny", reason="quota-never-fits") >= 1
+    assert "rhea/" not in hub.allocations()
 
 
 def test_cancelling_a_queued_spawn_leaves_the_queue_cleanly(hub):
@@ -227,6 +257,7 @@ def test_twelve_quarter_spawns_eight_run_four_queue(hub):
         message = events[-1]["message"]
         assert message.startswith("Waiting for 0.25 × H200: position "), message
         assert 'in queue "vision" (no H200 has 0.25 free: 2 of 2 allocated)' in message
+        assert events[-1]["reason"] == "no-capacity"
         positions[user] = int(message.split("position ")[1].split(" of ")[0])
     assert sorted(positions.values()) == [1, 2, 3, 4]
 

@@ -31,6 +31,7 @@ from gpupool.spawner.kube import GPUKubeSpawner, policy_priorities, volcano_bind
 from gpupool.spawner.usage import get_ledger
 from jupyterhub import orm
 from jupyterhub.objects import Hub, Server
+from jupyterhub.spawner import SpawnException
 from jupyterhub.user import User
 from kubernetes_asyncio.client import (
     ApiClient,
@@ -937,7 +938,7 @@ async def test_profile_no_node_can_hold_fails_fast_without_a_pod(cluster, tmp_pa
     await spawner._run_apply_user_options({"profile": "h200-whole-2"})
     with pytest.raises(web.HTTPError) as failed:
         await spawner.start()
-    assert failed.value.status_code == 409
+    assert (failed.value.status_code, failed.value.reason) == (409, "never-fits-pool")
     assert failed.value.log_message == ("2 × H200 can never start on this cluster: it asks for 2 nvidia.com/gpu and "
                                         "the largest node (nvidia.com/gpu.product=NVIDIA-H200) offers 1")
     requests = [(r.method, r.url.path) for r in cluster.requests()]
@@ -958,9 +959,10 @@ async def test_queue_timeout_from_policy_ends_the_wait(cluster, tmp_path):
                            rfc3339(datetime.now(UTC)), "Pending")
     assert await wait_for_message(events, "position") == (
         'Waiting for 0.25 × H200 (HAMi): position 1 of 1 in queue "vision" (waiting for the queue to admit it)')
+    assert [e.get("reason") for e in events if "position" in e["message"]][-1] == "volcano-pending"
     with pytest.raises(web.HTTPError) as timed_out:
         await started
-    assert timed_out.value.status_code == 503
+    assert (timed_out.value.status_code, timed_out.value.reason) == (503, "queue-timeout")
     assert timed_out.value.log_message.startswith(
         '0.25 × H200 (HAMi) waited 1 seconds in queue "vision" without a place (waiting for the queue to admit it)')
     await asyncio.wait_for(progress, 5)
@@ -1053,10 +1055,13 @@ async def test_an_exhausted_deny_budget_refuses_with_403_before_any_api_call(clu
     with pytest.raises(web.HTTPError) as refused:
         await spawner.start()
     assert refused.value.status_code == 403
-    # (tornado keeps a message without arguments %-escaped)
-    assert refused.value.log_message % () == (
-        f'team "nlp": budget of 2 GPU-hours for {periods.period_of(periods.utcnow())} used: 3 (150%); '
-        f"resets {periods.period_reset(periods.period_of(periods.utcnow()))}")
+    message = (f'team "nlp": budget of 2 GPU-hours for {periods.period_of(periods.utcnow())} used: 3 (150%); '
+               f"resets {periods.period_reset(periods.period_of(periods.utcnow()))}")
+    # JupyterHub's SpawnException: the code is its `reason` (the spawn metric's label) and follows the message
+    # that the spawn page and the REST error show.
+    assert isinstance(refused.value, SpawnException) and refused.value.reason == "budget-deny"
+    assert refused.value.log_message == message
+    assert refused.value.jupyterhub_message == f"{message} (reason: budget-deny)"
     assert cluster.requests() == []
     assert ledger.open_intervals() == []
 
@@ -1119,6 +1124,7 @@ async def test_spawns_admitted_together_never_exceed_a_quota_between_them(cluste
                                  return_when=asyncio.FIRST_COMPLETED)
     (done,) = waiting[0]
     assert done.result() == 'Waiting for 0.25 × H200 (HAMi): team "vision" holds 4 of 4 H200 (quota per model)'
+    assert {e.get("reason") for _s, events, _p in spawns for e in events if "quota" in e["message"]} == {"quota-full"}
     for task in waiting[1]:
         task.cancel()
     first = next(s for s in spawners if s.pod_name in GPUKubeSpawner.admitted_spawns)
@@ -1127,8 +1133,9 @@ async def test_spawns_admitted_together_never_exceed_a_quota_between_them(cluste
     assert len(created) == 1
     for spawner, (started, _events, progress) in zip(spawners, spawns):
         await spawner.stop(now=True)
-        with pytest.raises(web.HTTPError):
+        with pytest.raises(web.HTTPError) as stopped:
             await asyncio.wait_for(started, 10)
+        assert stopped.value.reason == "cancelled", stopped.value
         await asyncio.wait_for(progress, 5)
     assert GPUKubeSpawner.admitted_spawns == {}
     assert [i.key for i in ledger.open_intervals()] == ["carol-server"]  # neither ran

@@ -11,8 +11,9 @@ from fractions import Fraction
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import REGISTRY
 
-from gpupool.hub.accounting.admission import Holdings
+from gpupool.hub.accounting.admission import Holdings, Reason
 from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
 from gpupool.spawner.pool import (
     AllocationStore, Card, Denied, LocalPool, QueueTimeout, Request, Verdict, declared_cards,
@@ -211,6 +212,7 @@ def test_a_waiting_whole_card_is_not_overtaken_by_smaller_requests(store):
         quarter = asyncio.create_task(pool.acquire(request(3)))
         await asyncio.sleep(0.01)
         assert not quarter.done(), "the quarter would fit, but the whole card asked first"
+        assert pool.ticket("user3/").code is Reason.NO_CAPACITY
         pool.release("user1/")
         assert (await asyncio.wait_for(whole, 1)).cards == ("GPU-1",)
         whole.result()
@@ -219,14 +221,20 @@ def test_a_waiting_whole_card_is_not_overtaken_by_smaller_requests(store):
     run(scenario())
 
 
+def decisions(action: str, reason: str) -> float:
+    """`gpupool_admission_decisions_total{action, reason}` in this process's registry."""
+    value = REGISTRY.get_sample_value("gpupool_admission_decisions_total", {"action": action, "reason": reason})
+    return value or 0.0
+
+
 def test_admission_wait_and_deny(store):
     def quota(req: Request, holdings: Holdings) -> Verdict:
         if req.team == "blocked":
-            return Verdict("deny", "budget used up")
+            return Verdict("deny", "budget used up", code=Reason.BUDGET_DENY)
         held = holdings.team.get(req.team, 0)
         if held + req.share > Fraction(1, 2):
-            return Verdict("wait", f"team holds {float(held)} of 0.5 GPUs")
-        return Verdict("admit")
+            return Verdict("wait", f"team holds {float(held)} of 0.5 GPUs", code=Reason.QUOTA_FULL)
+        return Verdict("admit", code=Reason.WITHIN_QUOTA)
 
     async def scenario():
         pool = LocalPool(H200, store, decide=quota)
@@ -235,8 +243,14 @@ def test_admission_wait_and_deny(store):
         third = asyncio.create_task(pool.acquire(request(2)))
         await asyncio.sleep(0.01)
         assert pool.ticket("user2/").message().endswith("(team holds 0.5 of 0.5 GPUs)")
-        with pytest.raises(Denied, match="budget used up"):
+        assert pool.ticket("user2/").code is Reason.QUOTA_FULL
+        waits_before = decisions("wait", "quota-full")
+        pool.schedule()
+        pool.schedule()
+        assert decisions("wait", "quota-full") == waits_before, "a wait that goes on is counted once"
+        with pytest.raises(Denied, match="budget used up") as refused:
             await pool.acquire(request(3, team="blocked"))
+        assert refused.value.code is Reason.BUDGET_DENY
         pool.release("user0/")
         assert (await asyncio.wait_for(third, 1)).key == "user2/"
 
@@ -246,8 +260,11 @@ def test_admission_wait_and_deny(store):
 def test_a_request_larger_than_the_pool_fails_fast(store):
     async def scenario():
         pool = LocalPool(H200, store)
-        with pytest.raises(Denied, match="can never fit"):
+        before = decisions("deny", "never-fits-pool")
+        with pytest.raises(Denied, match="can never fit") as refused:
             await pool.acquire(request(0, Fraction(3)))
+        assert refused.value.code is Reason.NEVER_FITS_POOL
+        assert decisions("deny", "never-fits-pool") == before + 1
 
     run(scenario())
 

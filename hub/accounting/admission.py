@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
+from enum import StrEnum
 from fractions import Fraction
 from typing import Literal, Protocol
 
@@ -44,6 +45,56 @@ LOWEST_PRIORITY = -1
 DIRECT_PROFILE = "direct"
 
 Action = Literal["admit", "wait", "deny"]
+
+
+class Reason(StrEnum):
+    """Why a request is admitted, waits or is refused: a stable code beside the message written for people.
+
+    In the style of Kueue's condition reasons: scripts, metrics (`gpupool_admission_decisions_total`,
+    JupyterHub's `jupyterhub_server_spawn_duration_seconds{reason}`), progress events and REST errors carry
+    the code; the message may change its wording, the code does not. `reason_reference()` lists them for
+    docs/admission.md.
+    """
+
+    action: Action | Literal["end"]  # what a decision with this code does; "end": a wait that ended
+    meaning: str
+
+    def __new__(cls, value: str, action: str, meaning: str):
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.action, member.meaning = action, meaning
+        return member
+
+    WITHIN_QUOTA = "within-quota", "admit", "the share fits the team's concurrent quotas and its period budget"
+    NO_GPU = "no-gpu", "admit", "the profile holds no GPU (CPU only): no quota or budget applies"
+    BUDGET_ALERT = "budget-alert", "admit", "over the period budget; the team's `on_exhausted` is `alert`"
+    BUDGET_DEPRIORITIZED = ("budget-deprioritized", "admit",
+                            "over the period budget, admitted as lowest-priority, preemptible work "
+                            "(`on_exhausted: deprioritize`)")
+    ALREADY_ADMITTED = ("already-admitted", "admit",
+                        "asked again with the key of an interval that is open (`Ledger.admit` is idempotent)")
+    QUOTA_FULL = ("quota-full", "wait",
+                  "the team, the member or the team's share of the model holds its concurrent quota")
+    NO_CAPACITY = "no-capacity", "wait", "within quota, but no card of the model has the share free (embedded)"
+    RESTART_ORDER = "restart-order", "wait", "requests that queued before the hub restarted are placed first"
+    VOLCANO_PENDING = ("volcano-pending", "wait",
+                       "admitted by gpupool; the pod waits in Volcano's queue (Kubernetes mode)")
+    QUOTA_NEVER_FITS = ("quota-never-fits", "deny",
+                        "larger than the quota itself: waiting would never end")
+    BUDGET_DENY = "budget-deny", "deny", "the period budget is used up and the team's `on_exhausted` is `deny`"
+    NEVER_FITS_POOL = ("never-fits-pool", "deny",
+                       "larger than any card (embedded) or node (Kubernetes) can hold")
+    QUEUE_TIMEOUT = ("queue-timeout", "end",
+                     "waited the queue timeout (the team's `queue.timeout_seconds`, else "
+                     "`settings.queue_timeout_seconds`) without a place")
+    CANCELLED = "cancelled", "end", "stopped while it waited (the Stop button, DELETE on the server, its pod deleted)"
+
+
+def reason_reference() -> str:
+    """The reason codes as a Markdown table (docs/admission.md; `tests/test_readme.py` keeps it current)."""
+    rows = ["| code | outcome | when |", "|---|---|---|"]
+    rows += [f"| `{code}` | {code.action} | {code.meaning} |" for code in Reason]
+    return "\n".join(rows)
 
 
 # --- inputs ----------------------------------------------------------------------------------------------
@@ -142,7 +193,8 @@ class Alert:
 
 @dataclass(frozen=True)
 class Decision:
-    """The answer: `admit`, `wait` or `deny`, why (for people), and how admitted work runs."""
+    """The answer: `admit`, `wait` or `deny`, why (`reason` for people, `code` for programs), and how admitted
+    work runs."""
 
     action: Action
     reason: str
@@ -150,6 +202,12 @@ class Decision:
     preemptible: bool
     alerts: tuple[Alert, ...] = ()
     period: str = ""
+    code: Reason = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.code.action != self.action:
+            raise ValueError(f"a decision to {self.action} cannot have the reason code {self.code} "
+                             f"(that code goes with {self.code.action})")
 
     @property
     def admitted(self) -> bool:
@@ -299,12 +357,12 @@ def decide(policy: Policy, request: AdmissionRequest, holdings: Holdings, usage:
     name, team = resolved.team, policy.teams[resolved.team]
     alerts = reached_alerts(policy, name, usage)
 
-    def decision(action: Action, reason: str, priority: int = resolved.priority,
+    def decision(code: Reason, reason: str, priority: int = resolved.priority,
                  preemptible: bool = resolved.preemptible) -> Decision:
-        return Decision(action, reason, priority, preemptible, alerts, period)
+        return Decision(code.action, reason, priority, preemptible, alerts, period, code=code)
 
     if resolved.model is None or resolved.share == 0:
-        return decision("admit", f"{resolved.label} holds no GPU")
+        return decision(Reason.NO_GPU, f"{resolved.label} holds no GPU")
     model, share, label = resolved.model, resolved.share, resolved.label
 
     # Larger than the quota itself: waiting would never end.
@@ -320,19 +378,20 @@ def decide(policy: Policy, request: AdmissionRequest, holdings: Holdings, usage:
     ]
     for limit, text in limits:
         if limit is not None and share > limit:
-            return decision("deny", f"{label} can never start: {text}")
+            return decision(Reason.QUOTA_NEVER_FITS, f"{label} can never start: {text}")
 
-    priority, preemptible, notes = resolved.priority, resolved.preemptible, []
+    priority, preemptible, notes, admitted = resolved.priority, resolved.preemptible, [], Reason.WITHIN_QUOTA
     problems = _budget_problems(team, name, resolved, usage, request.reserve)
     if problems:
         over = "; ".join(problems)
         action = team.budget.on_exhausted
         if action == "deny":
-            return decision("deny", over)
+            return decision(Reason.BUDGET_DENY, over)
         if action == "deprioritize":
-            priority, preemptible = LOWEST_PRIORITY, True
+            priority, preemptible, admitted = LOWEST_PRIORITY, True, Reason.BUDGET_DEPRIORITIZED
             notes.append(f"runs as lowest-priority, preemptible work: {over}")
         else:
+            admitted = Reason.BUDGET_ALERT
             notes.append(f"over budget, alerting: {over}")
 
     held_team = holdings.team.get(name, Fraction(0))
@@ -351,5 +410,5 @@ def decide(policy: Policy, request: AdmissionRequest, holdings: Holdings, usage:
         full.append(f'team "{name}" holds {format_share(held_model)} of {format_share(limit_model)} {model} '
                     "(quota per model)")
     if full:
-        return decision("wait", "; ".join(full + notes), priority, preemptible)
-    return decision("admit", "; ".join(notes) or f"{label} is within quota and budget", priority, preemptible)
+        return decision(Reason.QUOTA_FULL, "; ".join(full + notes), priority, preemptible)
+    return decision(admitted, "; ".join(notes) or f"{label} is within quota and budget", priority, preemptible)

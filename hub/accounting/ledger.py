@@ -43,6 +43,7 @@ from gpupool.hub.accounting.admission import (
     AdmissionRequest,
     Decision,
     Holdings,
+    Reason,
     Usage,
     decide,
     resolve,
@@ -517,7 +518,7 @@ class Ledger:
                 if existing.end_at is not None:
                     raise ValueError(f"key {key!r} names an interval that has ended; use a new key")
                 again = Decision("admit", f"already admitted: interval {key!r} is open", resolved.priority,
-                                 resolved.preemptible, (), period)
+                                 resolved.preemptible, (), period, code=Reason.ALREADY_ADMITTED)
                 return AdmissionResult(again, False, ())
             team_open = connection.execute(
                 sa.select(INTERVALS).where(INTERVALS.c.team == resolved.team, INTERVALS.c.end_at.is_(None))

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpupool.hub.accounting.admission import (
-    LOWEST_PRIORITY, AdmissionRequest, Alert, Holdings, Usage, decide, reached_alerts,
+    LOWEST_PRIORITY, AdmissionRequest, Alert, Decision, Holdings, Reason, Usage, decide, reached_alerts,
 )
 
 AT = datetime(2026, 11, 15, 12, tzinfo=UTC)
@@ -77,11 +77,15 @@ def test_every_on_exhausted_quota_and_budget_state(make_policy, on_exhausted, qu
     exhausted = budget_reason is not None
     if exhausted and on_exhausted == "deny":
         assert (decision.action, decision.reason) == ("deny", budget_reason)  # said at once, not after a wait
+        assert decision.code is Reason.BUDGET_DENY
     elif quota_reason is not None:
         assert decision.action == "wait"
         assert decision.reason.startswith(quota_reason)
+        assert decision.code is Reason.QUOTA_FULL
     else:
         assert decision.action == "admit"
+        assert decision.code is {"alert": Reason.BUDGET_ALERT, "deprioritize": Reason.BUDGET_DEPRIORITIZED}.get(
+            on_exhausted, Reason.WITHIN_QUOTA) if exhausted else Reason.WITHIN_QUOTA
     deprioritized = exhausted and on_exhausted == "deprioritize"
     assert decision.priority == (LOWEST_PRIORITY if deprioritized else 100)
     assert decision.preemptible is deprioritized
@@ -90,6 +94,18 @@ def test_every_on_exhausted_quota_and_budget_state(make_policy, on_exhausted, qu
     if not exhausted and quota_reason is None:
         assert decision.reason == "0.25 × H200 is within quota and budget"
     assert decision.period == PERIOD
+
+
+def test_every_reason_code_is_stable_text_and_belongs_to_one_action():
+    # The codes are an interface (metrics labels, progress events, REST errors): renaming one breaks scripts.
+    assert {code.value: code.action for code in Reason} == {
+        "within-quota": "admit", "no-gpu": "admit", "budget-alert": "admit", "budget-deprioritized": "admit",
+        "already-admitted": "admit", "quota-full": "wait", "no-capacity": "wait", "restart-order": "wait",
+        "volcano-pending": "wait", "quota-never-fits": "deny", "budget-deny": "deny", "never-fits-pool": "deny",
+        "queue-timeout": "end", "cancelled": "end",
+    }
+    with pytest.raises(ValueError, match="cannot have the reason code quota-full"):
+        Decision("admit", "", 0, False, code=Reason.QUOTA_FULL)
 
 
 def test_the_reasons_people_read(make_policy):
@@ -142,7 +158,7 @@ def test_a_per_model_budget_binds_only_its_model(make_policy):
 def test_larger_than_the_quota_itself_is_denied_not_queued(make_policy, on_exhausted, budget_state):
     policy = with_exhausted(make_policy, on_exhausted)
     decision = decide(policy, ask("h200-two"), held(), BUDGET_STATES[budget_state][0])
-    assert decision.action == "deny"
+    assert (decision.action, decision.code) == ("deny", Reason.QUOTA_NEVER_FITS)
     assert decision.reason == ('2 × H200 can never start: a member of team "vision" may hold at most 1 GPU '
                                "at once (quota)")
 
@@ -166,6 +182,7 @@ def test_cpu_only_is_admitted_whatever_the_quota_and_budget(make_policy):
     holdings, _ = QUOTA_STATES["team-full"]
     decision = decide(deny, ask("cpu"), holdings, used(120, h200=70))
     assert (decision.action, decision.reason, decision.priority) == ("admit", "CPU only holds no GPU", 100)
+    assert decision.code is Reason.NO_GPU
     assert decision.alerts  # the budget is still reported as used up
 
 

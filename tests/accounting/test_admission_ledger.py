@@ -113,6 +113,7 @@ def test_admitting_the_same_key_again_changes_nothing(ledger, policy):
     again = ledger.admit(policy, request("alice", at=AT + timedelta(minutes=5)), key="alice/:1")
     assert (again.opened, again.decision.action) == (False, "admit")
     assert again.decision.reason == "already admitted: interval 'alice/:1' is open"
+    assert again.decision.code == "already-admitted"
     assert len(ledger.open_intervals()) == 1 and ledger.interval("alice/:1").start == AT
     ledger.close_interval("alice/:1", AT + timedelta(hours=1), "stopped")
     with pytest.raises(ValueError, match="names an interval that has ended; use a new key"):
