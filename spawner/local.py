@@ -48,11 +48,21 @@ _pools: dict[str, LocalPool] = {}
 
 
 def admission(policy_of: Callable[[], Policy], ledger: Ledger, log) -> Decide:
-    """The accounting's admission decision for the pool's queue: quotas wait, budgets follow on_exhausted."""
+    """The accounting's admission decision for the pool's queue: quotas wait, budgets follow on_exhausted.
+
+    The period's usage is read from the ledger once per state of the queue (per `Holdings` a pass of the queue
+    decides against: a new pass, or a placement within one), not once per waiting request: a queue of 50 asks
+    the ledger once per pass, and the decisions of one pass all see the same usage.
+    """
+    seen: list = [None, None]  # the holdings last decided against, and the usage read for them
 
     def decide(request: Request, holdings: Holdings) -> Verdict:
-        asked = AdmissionRequest(user=request.user, team=request.team, at=periods.utcnow(), profile=request.profile)
-        decision = admit_now(policy_of(), ledger, asked, holdings, log)
+        at = periods.utcnow()
+        period = periods.period_of(at)
+        if seen[0] is not holdings or seen[1].period != period:
+            seen[:] = holdings, ledger.usage(period, at)
+        asked = AdmissionRequest(user=request.user, team=request.team, at=at, profile=request.profile)
+        decision = admit_now(policy_of(), ledger, asked, holdings, log, usage=seen[1])
         return Verdict(decision.action, "" if decision.admitted else decision.reason, decision.priority,
                        code=decision.code)
 

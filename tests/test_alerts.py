@@ -1,7 +1,9 @@
-"""Budget alerts from the embedded queue's admission: logged and POSTed to the policy's webhook, once."""
+"""The embedded queue's admission against a real ledger: budget alerts logged and POSTed to the policy's
+webhook, once; the period's usage read once per pass of the queue, however long the queue."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -11,11 +13,11 @@ from fractions import Fraction
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import Holdings
+from gpupool.hub.accounting.admission import Holdings, Reason
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.policies.loader import load_policy_files
 from gpupool.spawner.local import admission
-from gpupool.spawner.pool import Request
+from gpupool.spawner.pool import AllocationStore, Card, LocalPool, Request
 
 
 def test_alerts_reach_the_webhook_once(tmp_path, monkeypatch):
@@ -60,3 +62,36 @@ settings: {{alert_webhook: "http://127.0.0.1:{server.server_port}/hook"}}
         assert received[0]["team"] == "vision" and "has used 80% of its budget of 10 GPU-hours" in received[0]["message"]
     finally:
         server.shutdown()
+
+
+def test_a_pass_of_the_queue_reads_the_usage_once_however_many_wait(tmp_path):
+    (tmp_path / "policy.yaml").write_text("""
+models: {H200: {vendor: nvidia, memory_gib: 141, backends: [hami]}}
+teams: {vision: {quota: {gpus: 0.25}, budget: {gpu_hours: 100}}}
+profiles: {q: {display_name: q, gpu: {model: H200, share: 0.25}, teams: [vision]}}
+billing: {prices: {H200: '1'}}
+""")
+    policy = load_policy_files([tmp_path / "policy.yaml"])
+    ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite'}")
+    reads = []
+    real_usage = ledger.usage
+    ledger.usage = lambda *args, **kwargs: reads.append(args) or real_usage(*args, **kwargs)  # a spy on the real one
+    pool = LocalPool([Card("GPU-0", "H200", 0, 141)], AllocationStore(tmp_path / "allocations.sqlite"),
+                     admission(lambda: policy, ledger, logging.getLogger("test")))
+
+    def request(n: int) -> Request:
+        return Request(f"user{n}/", f"user{n}", "vision", "q", "q", "H200", Fraction(1, 4))
+
+    async def scenario():
+        await pool.acquire(request(0))  # the team's quota is now full: everyone else waits
+        waiting = [asyncio.create_task(pool.acquire(request(n))) for n in range(1, 51)]
+        await asyncio.sleep(0.05)
+        assert {pool.ticket(f"user{n}/").code for n in range(1, 51)} == {Reason.QUOTA_FULL}
+        del reads[:]
+        pool.schedule()
+        assert len(reads) == 1, f"one pass over 50 waiting requests read the usage {len(reads)} times"
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+    asyncio.run(scenario())

@@ -10,7 +10,7 @@ import threading
 import urllib.request
 
 from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import Alert, AdmissionRequest, Decision, Holdings, decide
+from gpupool.hub.accounting.admission import Alert, AdmissionRequest, Decision, Holdings, Usage, decide
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.policies.model import Policy
 
@@ -40,8 +40,14 @@ def send_alerts(policy: Policy, ledger: Ledger, decision: Decision, log) -> list
     return claimed
 
 
-def admit_now(policy: Policy, ledger: Ledger, request: AdmissionRequest, holdings: Holdings, log) -> Decision:
-    """The admission decision for `request` against the period's usage so far, with its alerts sent."""
-    decision = decide(policy, request, holdings, ledger.usage(periods.period_of(request.at), request.at))
+def admit_now(policy: Policy, ledger: Ledger, request: AdmissionRequest, holdings: Holdings, log,
+              usage: Usage | None = None) -> Decision:
+    """The admission decision for `request` against the period's usage so far, with its alerts sent.
+
+    `usage` is the period's usage when the caller has just read it (`Ledger.usage`); read here otherwise.
+    """
+    if usage is None:
+        usage = ledger.usage(periods.period_of(request.at), request.at)
+    decision = decide(policy, request, holdings, usage)
     send_alerts(policy, ledger, decision, log)
     return decision
