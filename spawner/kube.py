@@ -469,11 +469,11 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         reason = "waiting for Volcano to take it into the queue"
         while True:
             if self._gpupool_stopping:
-                raise self._ended(f'{wanted.display_name}: stopped while waiting in queue "{wanted.queue}"',
+                raise self._refuse(f'{wanted.display_name}: stopped while waiting in queue "{wanted.queue}"',
                                   Reason.CANCELLED)
             pod = pods.resources.get(ref_key)
             if pod is None and seen:
-                raise self._ended(f"{wanted.display_name}: the pod was deleted while it waited in queue "
+                raise self._refuse(f"{wanted.display_name}: the pod was deleted while it waited in queue "
                                   f'"{wanted.queue}"', Reason.CANCELLED)
             seen = seen or pod is not None
             uid = ((pod or {}).get("metadata") or {}).get("uid")
@@ -503,7 +503,7 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
                     self._gpupool_status = podgroups.waiting_message(wanted, position, reason)
                     self._waiting_for(Reason.VOLCANO_PENDING)
                 if now - began > queue_timeout:
-                    raise self._ended(f'{wanted.display_name} waited {queue_timeout} seconds in queue '
+                    raise self._refuse(f'{wanted.display_name} waited {queue_timeout} seconds in queue '
                                       f'"{wanted.queue}" without a place ({reason}); try again later '
                                       "or pick a smaller profile", Reason.QUEUE_TIMEOUT)
             await asyncio.sleep(self.queue_poll_interval)
@@ -516,8 +516,8 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
             self._gpupool_waiting = code
             count_decision(code)
 
-    def _ended(self, message: str, code: Reason):
-        """The exception for a wait that ended without a server (counted)."""
+    def _refuse(self, message: str, code: Reason):
+        """The exception for a spawn refused, or whose wait ended, with reason `code` (counted)."""
         count_decision(code)
         return refusal(message, code)
 
@@ -547,17 +547,16 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
                     self.admitted_spawns[self.pod_name] = AdmittedSpawn(
                         self.user.name, choice.team, gpu.model, profile_share(choice.profile, policy))
             if decision.action == "deny":
-                count_decision(decision.code)
-                raise refusal(decision.reason, decision.code)
+                raise self._refuse(decision.reason, decision.code)
             if decision.admitted:
                 count_decision(decision.code)
                 return decision
             self._gpupool_status = f"Waiting for {choice.profile.display_name}: {decision.reason}"
             self._waiting_for(decision.code)
             if self._gpupool_stopping:
-                raise self._ended(f"{choice.profile.display_name}: stopped while waiting for quota", Reason.CANCELLED)
+                raise self._refuse(f"{choice.profile.display_name}: stopped while waiting for quota", Reason.CANCELLED)
             if loop.time() - began > queue_timeout:
-                raise self._ended(f"{choice.profile.display_name} waited {queue_timeout} seconds for quota "
+                raise self._refuse(f"{choice.profile.display_name} waited {queue_timeout} seconds for quota "
                                   f"({decision.reason}); try again later or pick a smaller profile",
                                   Reason.QUEUE_TIMEOUT)
             await asyncio.sleep(self.queue_poll_interval)
@@ -579,8 +578,7 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
             problem = await self.capacity_problem(choice)
             if problem:
                 # Not a user error and not temporary: the policy offers a profile this cluster cannot hold.
-                count_decision(Reason.NEVER_FITS_POOL)
-                raise refusal(problem, Reason.NEVER_FITS_POOL)
+                raise self._refuse(problem, Reason.NEVER_FITS_POOL)
             self._gpupool_status = self._gpupool_waiting = None
             start = asyncio.ensure_future(super()._start())
             watch = asyncio.ensure_future(self._watch_queue(choice))
