@@ -14,15 +14,13 @@ import copy
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-import weakref
 from datetime import timedelta
-from fractions import Fraction
-from typing import Any, ClassVar
+from typing import Any
 
 from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest, Decision, Holdings, Reason
-from gpupool.hub.accounting.ledger import HowEnded
-from gpupool.hub.accounting.notify import admit_now
+from gpupool.hub.accounting import notify
+from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest, Decision, Reason
+from gpupool.hub.accounting.ledger import HowEnded, run_key
 from gpupool.policies.choice import Choice
 from gpupool.policies.model import Policy, parse_quantity
 from gpupool.policies.resources import GPUResources, profile_gpu, profile_share
@@ -127,28 +125,6 @@ def sanitize_pod(pod: V1Pod, binding: VolcanoBinding, own_annotations: Mapping[s
     return pod
 
 
-@dataclass(frozen=True)
-class AdmittedSpawn:
-    """A spawn the accounting admitted whose pod does not run yet: it holds its share against the quotas."""
-
-    user: str
-    team: str
-    model: str
-    share: Fraction
-
-
-_admission_locks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _admission_lock() -> asyncio.Lock:
-    """One lock per event loop (the hub has one): holdings are read and the decision taken under it."""
-    loop = asyncio.get_running_loop()
-    lock = _admission_locks.get(loop)
-    if lock is None:
-        lock = _admission_locks[loop] = asyncio.Lock()
-    return lock
-
-
 def gpupool_profile_list(spawner: GPUKubeSpawner) -> list[dict]:
     """The policy's profiles for the user's teams in KubeSpawner's `profile_list` format, for its form.
 
@@ -244,10 +220,6 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
     #: Set by the accounting's admission before the pod is made when the team's budget is exhausted and its
     #: `on_exhausted` is `deprioritize`: the pod then runs as lowest-priority, preemptable work.
     gpupool_deprioritized: bool = False
-    #: This hub's admitted spawns whose pods do not run yet, by pod name: their shares count against the
-    #: quotas from admission on, so that spawns admitted together cannot exceed a quota between them.
-    admitted_spawns: ClassVar[dict[str, AdmittedSpawn]] = {}
-
     _gpupool_baseline: dict[str, Any] | None = None
     _gpupool_admitted_at = None  # when Volcano's queue admitted the pod (UTC): its queue wait ends there
     _gpupool_status: str | None = None
@@ -526,8 +498,11 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         quota waits (with the reason on the spawn page) until shares free up or the queue timeout, a
         budget `deprioritize` turns the pod into lowest-priority, preemptable work.
 
-        Holdings are the running servers in the ledger plus this hub's admitted spawns whose pods do not run
-        yet; Volcano's queue capability then bounds the pods that wait in the cluster.
+        Through the ledger's one door (`Ledger.admit`, in a thread: SQL under the team's lock, off the event
+        loop): the decision and the holding are one transaction, so spawns of any number of hub processes
+        cannot exceed a quota between them. The holding is the run's (`usage_run`), `reserved` until the pod
+        runs (held against the quotas while it waits in Volcano's queue, not billed); `open_usage` then makes
+        it `running`. Volcano's queue capability bounds the pods that wait in the cluster.
         """
         if not self.ledger_url:
             raise web.HTTPError(503, "gpupool accounting is not configured: set GPUKubeSpawner.ledger_url "
@@ -536,16 +511,15 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         began = loop.time()
         queue_timeout = self.policy.queue_timeout(choice.team)
         ledger = self.ledger
-        gpu = choice.profile.gpu
+        run = run_key(self.user.name, self.name, self.run_started())
+        # Known before it is asked for: were the spawn cancelled while the thread admits it, `_start` still ends
+        # the holding (closing one that was never admitted changes nothing).
+        self.usage_run = run if choice.profile.gpu is not None else None
         while True:
             policy = self.policy
             request = AdmissionRequest(user=self.user.name, team=choice.team, at=periods.utcnow(), profile=choice.slug)
-            async with _admission_lock():
-                held = [*await asyncio.to_thread(ledger.open_intervals), *self.admitted_spawns.values()]
-                decision = await asyncio.to_thread(admit_now, policy, ledger, request, Holdings.of(held), self.log)
-                if decision.admitted and gpu is not None:
-                    self.admitted_spawns[self.pod_name] = AdmittedSpawn(
-                        self.user.name, choice.team, gpu.model, profile_share(choice.profile, policy))
+            result = await asyncio.to_thread(notify.admit, policy, ledger, request, run, self.log)
+            decision = result.decision
             if decision.action == "deny":
                 raise self._refuse(decision.reason, decision.code)
             if decision.admitted:
@@ -568,9 +542,10 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         self._gpupool_admitted_at = None
         self._gpupool_waiting = None
         asked = periods.utcnow()
-        decision = await self.admit(choice)
         start = watch = None
+        running = False
         try:
+            decision = await self.admit(choice)
             deprioritized = decision.priority == LOWEST_PRIORITY
             if deprioritized != self.gpupool_deprioritized:
                 self.gpupool_deprioritized = deprioritized
@@ -588,12 +563,14 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
             else:
                 watch.result()  # raises why the wait ended
                 url = await start
-            # Usage counts from the moment the pod runs, not while it waited for quota or in Volcano's queue.
+            # Usage counts from the moment the pod runs, not while it waited for quota or in Volcano's queue:
+            # the reserved holding runs from now on.
             self.open_usage(max(timedelta(0), (self._gpupool_admitted_at or periods.utcnow()) - asked))
+            running = True
             return url
         finally:
-            # Running (its interval holds the share now) or failed: no longer an admitted spawn.
-            self.admitted_spawns.pop(self.pod_name, None)
+            if not running:  # refused, timed out, stopped or failed before the pod ran: its holding ends unbilled
+                self.close_usage(HowEnded.FAILED)
             for task in (start, watch):
                 if task is not None and not task.done():
                     task.cancel()

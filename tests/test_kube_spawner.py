@@ -24,7 +24,7 @@ import pytest
 import pytest_asyncio
 import yaml
 from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.ledger import HowEnded, Ledger, run_key
+from gpupool.hub.accounting.ledger import HowEnded, Ledger, State, run_key
 from gpupool.policies import load_policy
 from gpupool.spawner import podgroups
 from gpupool.spawner.kube import GPUKubeSpawner, policy_priorities, volcano_binding
@@ -867,7 +867,10 @@ async def test_spawn_waits_in_queue_with_position_then_runs_stops_and_survives_r
     while clock() - began < 3:
         await asyncio.sleep(0.05)
     assert not started.done()
-    assert ledger.open_intervals() == []  # waiting in Volcano's queue is not usage
+    # Waiting in Volcano's queue is not usage: the share is held (reserved at admission), not billed.
+    (held,) = ledger.open_intervals()
+    assert (held.run, held.state) == (run_key("alice", "", spawner.orm_spawner.started), State.RESERVED)
+    assert ledger.gpu_hours(periods.period_of(periods.utcnow())) == {}
 
     # Admitted and running: the kubelet's part.
     await cluster.set_podgroup_status(mine, {"phase": "Running", "conditions": []})
@@ -879,6 +882,7 @@ async def test_spawn_waits_in_queue_with_position_then_runs_stops_and_survives_r
     assert [(i.run, i.user, i.team, i.profile, i.model, i.share) for i in running] == [
         (spawner.usage_run, "alice", "vision", "h200-quarter", "H200", Fraction(1, 4))]
     assert running[0].start >= began_utc  # from Running: the 3 s in Volcano's queue are not usage
+    assert running[0].state is State.RUNNING and running[0].start >= held.start + timedelta(seconds=3)
     assert running[0].queue_wait >= timedelta(seconds=3)
     await asyncio.wait_for(progress, 5)  # progress ends with the start
     assert any("admitted by queue" in e.get("message", "") for e in events)
@@ -1127,7 +1131,10 @@ async def test_spawns_admitted_together_never_exceed_a_quota_between_them(cluste
     assert {e.get("reason") for _s, events, _p in spawns for e in events if "quota" in e["message"]} == {"quota-full"}
     for task in waiting[1]:
         task.cancel()
-    first = next(s for s in spawners if s.pod_name in GPUKubeSpawner.admitted_spawns)
+    # The one admitted holds its share in the ledger (reserved: its pod does not run, so it is not billed).
+    (held,) = [i for i in ledger.open_intervals() if i.key != "carol-server"]
+    assert held.state is State.RESERVED and held.gpu_hours(periods.period_of(periods.utcnow())) == 0
+    first = next(s for s in spawners if s.usage_run == held.run)
     await cluster.pod_named(first.pod_name)
     created = [r for r in cluster.requests() if r.method == "POST" and r.url.path.endswith("/pods")]
     assert len(created) == 1
@@ -1137,5 +1144,6 @@ async def test_spawns_admitted_together_never_exceed_a_quota_between_them(cluste
             await asyncio.wait_for(started, 10)
         assert stopped.value.reason == "cancelled", stopped.value
         await asyncio.wait_for(progress, 5)
-    assert GPUKubeSpawner.admitted_spawns == {}
-    assert [i.key for i in ledger.open_intervals()] == ["carol-server"]  # neither ran
+    assert [i.key for i in ledger.open_intervals()] == ["carol-server"]  # neither ran: the holding ended unbilled
+    assert ledger.interval(held.key).how == "stopped" and ledger.gpu_hours(periods.period_of(periods.utcnow()),
+                                                                          ("user",)).get((held.user,)) is None

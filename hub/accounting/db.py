@@ -31,6 +31,9 @@ VERSION_TABLE = "accounting_alembic_version"
 #: sending heartbeats (the end is then the last heartbeat). Intervals are never split in the table:
 #: periods are cut at query time (see `ledger.py`), so there is no `split`.
 HOW_ENDED = ("stopped", "culled", "failed", "preempted", "reconciled")
+#: A holding's state: `reserved` from admission until the workload runs (held against quotas, not billed),
+#: then `running` (billed). One that ends without having run stays `reserved`.
+STATES = ("reserved", "running")
 #: SQLite waits this long for another writer before giving up with "database is locked".
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 #: PostgreSQL only: the bill's group columns, with what it sums included, so that a bill reads the rows in
@@ -69,7 +72,8 @@ class Base(DeclarativeBase):
 
 
 class UsageInterval(Base):
-    """One holding of a GPU share: from admission (or start) to its end; `end_at` NULL while open."""
+    """One holding of a GPU share: from admission (`reserved`) or start (`running`) to its end; `end_at` NULL
+    while open."""
 
     __tablename__ = "accounting_intervals"
 
@@ -95,6 +99,8 @@ class UsageInterval(Base):
     run: Mapped[str | None] = mapped_column(sa.String(255))
     #: Seconds the request waited in the pool's queue before it was placed (first interval of a run).
     queue_wait_s: Mapped[int | None] = mapped_column(sa.BigInteger)
+    #: `reserved` (admitted, not running yet: held, not billed) or `running` (see `STATES`).
+    state: Mapped[str] = mapped_column(sa.String(16), default="running", server_default="running")
 
     __table_args__ = (
         sa.CheckConstraint("share_num > 0 AND share_den > 0", name="share_positive"),
@@ -111,7 +117,7 @@ class UsageInterval(Base):
         sa.Index(None, "end_at"),
         sa.Index(None, "run"),
         sa.Index(BILL_INDEX, "team", "user", "model", "profile", "share_den",
-                 postgresql_include=["share_num", "start_at", "end_at"]).ddl_if(dialect="postgresql"),
+                 postgresql_include=["share_num", "start_at", "end_at", "state"]).ddl_if(dialect="postgresql"),
     )
 
 

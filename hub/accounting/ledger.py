@@ -15,11 +15,15 @@ up to "now" in the current period without being rewritten, and the clipping is e
 Sums are exact: times are whole seconds, shares a numerator and denominator, and SQL adds
 `seconds × numerator` per denominator in integers; the result becomes a `Fraction` of GPU-hours.
 
-`admit()` decides (with the pure `admission.decide`) and opens the interval in one transaction holding
-the team's admission lock (`BEGIN IMMEDIATE` on SQLite, `SELECT … FOR UPDATE` on the team's lock row on
-PostgreSQL), so concurrent requests for the last share or the last GPU-hour cannot all be admitted. The
-spawners do not call it yet: they decide through `notify.admit_now` and open the interval when the
-server runs (`spawner/usage.py`).
+`admit()` is the door every workload comes through: it decides (with the pure `admission.decide`) and
+records the holding in one transaction holding the team's admission lock (`BEGIN IMMEDIATE` on SQLite,
+`SELECT … FOR UPDATE` on the team's lock row on PostgreSQL), so concurrent requests for the last share or
+the last GPU-hour cannot all be admitted. The holding is `reserved`: it counts against the quotas (and
+against budgets at its reservation) but is not billed; `keep_run` turns it `running` when the workload runs,
+and from then on it is billed. One that ends without running (a failed start, a cancelled wait) stays
+`reserved` and never costs anything. The Kubernetes spawner admits through it (a pod admitted by gpupool and
+waiting in Volcano's queue is held, not billed); the embedded pool decides against its cards and records the
+holding it placed through `reserve()`, under the same rules.
 """
 
 from __future__ import annotations
@@ -72,6 +76,16 @@ class HowEnded(StrEnum):
 assert tuple(HowEnded) == db.HOW_ENDED
 
 
+class State(StrEnum):
+    """A holding's state (see `db.STATES`)."""
+
+    RESERVED = "reserved"  # admitted, not running yet: held against quotas, not billed
+    RUNNING = "running"  # running: billed
+
+
+assert tuple(State) == db.STATES
+
+
 class OpenResult(StrEnum):
     OPENED = "opened"
     EXISTS = "exists"  # the same interval was opened before: nothing changed
@@ -80,7 +94,7 @@ class OpenResult(StrEnum):
 class RunResult(StrEnum):
     """What `Ledger.keep_run` did for a server that is running."""
 
-    OPENED = "opened"  # the run's first interval
+    OPENED = "opened"  # the run's first interval (or its reserved holding, which now runs)
     CONTINUED = "continued"  # a new interval from where reconciliation had closed the last one
     RUNNING = "running"  # its interval is open: noted as seen
     ENDED = "ended"  # the run was stopped (not merely reconciled): nothing changed
@@ -109,13 +123,21 @@ class Interval:
     reserve: timedelta
     run: str | None = None
     queue_wait: timedelta | None = None
+    state: State = State.RUNNING
 
     @property
     def is_open(self) -> bool:
         return self.end is None
 
+    @property
+    def is_reserved(self) -> bool:
+        """Admitted, not (or never) running: held while open, never billed."""
+        return self.state is State.RESERVED
+
     def gpu_hours(self, period: str, now: datetime | None = None) -> Fraction:
         """This interval's GPU-hours in `period` (an open one counted up to `now`), in Python."""
+        if self.is_reserved:
+            return Fraction(0)
         end = self.end if self.end is not None else max(self.start, now or periods.utcnow())
         return sum(
             (periods.gpu_hours(self.share, piece.duration // timedelta(seconds=1))
@@ -232,6 +254,7 @@ def _interval(row: Any) -> Interval:
         row.key, row.user, row.team, row.profile, row.model, Fraction(row.share_num, row.share_den),
         row.start_at, row.end_at, row.how, row.last_seen_at, timedelta(seconds=row.reserve_s),
         getattr(row, "run", None), None if wait is None else timedelta(seconds=wait),
+        State(getattr(row, "state", None) or State.RUNNING),
     )
 
 
@@ -297,8 +320,9 @@ class Ledger:
 
         The spawner (at start and on every poll) and the accounting service (from the hub's REST API)
         both call this with the run's key (`run_key`), so it is idempotent and safe under
-        concurrent callers: no interval yet → the run's first one opens at `start`; its last interval
-        open → noted as seen; closed by reconciliation (nobody reported while the hub or the service
+        concurrent callers: no interval yet → the run's first one opens at `start`; its holding reserved at
+        admission (`admit`) → it runs from `start` (not before its admission) and is billed from then on; its
+        last interval open → noted as seen; closed by reconciliation (nobody reported while the hub or the service
         was down) → a new interval continues exactly where that one ended, so no second is lost or
         counted twice; stopped for real → nothing (a late report of a stopped run changes nothing).
         """
@@ -320,6 +344,13 @@ class Ledger:
                 # A concurrent caller may have opened it first (at its own idea of the start): that stands.
                 return RunResult.OPENED if self._insert_piece(connection, values) else RunResult.RUNNING
             last = pieces[-1]
+            if last.is_open and last.is_reserved:
+                start_s = max(_seconds(start, "start"), _seconds(last.start, "start"))
+                connection.execute(
+                    INTERVALS.update().where(c.key == last.key, c.end_at.is_(None), c.state == State.RESERVED.value)
+                    .values(state=State.RUNNING.value, start_at=periods.from_epoch_seconds(start_s),
+                            last_seen_at=periods.from_epoch_seconds(max(start_s, seen_s)), queue_wait_s=wait_s))
+                return RunResult.OPENED
             if last.is_open:
                 connection.execute(
                     INTERVALS.update().where(c.key == last.key, c.end_at.is_(None))
@@ -328,9 +359,11 @@ class Ledger:
                 return RunResult.RUNNING
             if last.how != HowEnded.RECONCILED.value:
                 return RunResult.ENDED
-            # The same key for every caller that continues the same piece: concurrent callers meet.
+            # The same key for every caller that continues the same piece: concurrent callers meet. A holding
+            # closed while still reserved (not seen while it waited) runs from `start`, not from where it ended.
+            since = max(last.end, periods.ensure_utc(start, "start")) if last.is_reserved else last.end
             values = self._interval_values(f"{run}~{len(pieces)}", last.user, last.team, last.profile,
-                                           last.model, last.share, last.end, timedelta(0))
+                                           last.model, last.share, since, timedelta(0))
             values.update(run=run, last_seen_at=max(last.end, periods.from_epoch_seconds(seen_s)))
             self._insert_piece(connection, values)
             return RunResult.CONTINUED
@@ -407,6 +440,7 @@ class Ledger:
             "share_num": exact.numerator, "share_den": exact.denominator,
             "start_at": start, "end_at": None, "how": None, "last_seen_at": start,
             "reserve_s": reserve // timedelta(seconds=1), "run": None, "queue_wait_s": None,
+            "state": State.RUNNING.value,
         }
 
     def _open(self, connection: sa.Connection, values: dict[str, Any]) -> OpenResult:
@@ -499,12 +533,14 @@ class Ledger:
         return claimed
 
     def admit(self, policy: Policy, request: AdmissionRequest, key: str) -> AdmissionResult:
-        """Decide `request` and, when admitted, open its interval as `key` at `request.at`, atomically.
+        """Decide `request` and, when admitted, hold its share as `key` from `request.at`, atomically.
 
-        Holdings are the team's open intervals and usage the period's GPU-hours so far (open intervals
-        counting at least their reservation), both read under the team's admission lock. Asking again
-        with the key of an open interval changes nothing and answers `admit`. The alerts in the result
-        are the ones not sent before (claimed in the same transaction); send them.
+        The holding is `reserved` (held against the quotas, not billed) with `key` as its run: `keep_run(key,
+        …)` makes it `running` when the workload runs, `close_run(key, …)` ends it (never billed if it never
+        ran). Holdings are the team's open intervals, reserved or running, and usage the period's GPU-hours
+        so far (open intervals counting at least their reservation), both read under the team's admission
+        lock. Asking again with the key of an open holding changes nothing and answers `admit`. The alerts in
+        the result are the ones not sent before (claimed in the same transaction); send them.
         """
         resolved = resolve(policy, request)
         key = _text(key, "key", 255)
@@ -530,6 +566,7 @@ class Ledger:
             if decision.admitted and resolved.model is not None and resolved.share > 0:
                 values = self._interval_values(key, resolved.user, resolved.team, resolved.profile,
                                                resolved.model, resolved.share, request.at, request.reserve)
+                values.update(run=_text(key, "key", MAX_RUN_KEY), state=State.RESERVED.value)
                 opened = self._open(connection, values) is OpenResult.OPENED
             alerts = self._claim(connection, decision.alerts, request.at)
         return AdmissionResult(decision, opened, tuple(alerts))
@@ -645,10 +682,12 @@ class Ledger:
         # are the same scalar functions (with one argument they would be aggregates).
         least, greatest = (sa.func.least, sa.func.greatest) if self.dialect == "postgresql" else (sa.func.min,
                                                                                                  sa.func.max)
-        # An open interval runs until now; for budgets, at least until the end of its reservation.
+        # An open interval runs until now; for budgets, at least until the end of its reservation. A reserved
+        # holding (admitted, not running yet) is not use: bills leave it out, budgets count its reservation.
         until: sa.ColumnElement[int] = sa.literal(now_s, sa.BigInteger)
+        reserved = c.state == State.RESERVED.value
         if reserving:
-            until = greatest(start + c.reserve_s, now_s)
+            until = sa.case((reserved, start + c.reserve_s), else_=greatest(start + c.reserve_s, now_s))
         effective_end = sa.func.coalesce(end, until)
         seconds = least(effective_end, period_end) - greatest(start, period_start)
         groups = [c[name] for name in by]
@@ -662,6 +701,8 @@ class Ledger:
         )
         if team is not None:
             query = query.where(c.team == team)
+        # Reserved holdings that ended never ran; open ones count for budgets only.
+        query = query.where(sa.or_(~reserved, end.is_(None)) if reserving else ~reserved)
         if self.dialect == "postgresql" and len(by) == len(GROUPINGS):
             # The planner would hash every row on five text columns; reading `BILL_INDEX` in group order
             # and aggregating as it goes is about twice as fast on a month of a million intervals

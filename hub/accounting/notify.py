@@ -1,6 +1,7 @@
 """Budget alerts leaving the accounting: claimed once per threshold and period, logged, and posted to the webhook.
 
-Both spawners admit through `admit_now`, so an alert is sent the same way whichever mode made the decision.
+Both spawners admit through here (`admit`: the ledger's door, deciding and holding in one transaction; `admit_now`:
+the embedded queue's decision against its cards), so an alert is sent the same way whichever mode made the decision.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import urllib.request
 
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import Alert, AdmissionRequest, Decision, Holdings, Usage, decide
-from gpupool.hub.accounting.ledger import Ledger
+from gpupool.hub.accounting.ledger import AdmissionResult, Ledger
 from gpupool.policies.model import Policy
 
 
@@ -32,12 +33,27 @@ def send_alerts(policy: Policy, ledger: Ledger, decision: Decision, log) -> list
     if not (decision.admitted and decision.alerts):
         return []
     claimed = ledger.claim_alerts(decision.alerts, periods.utcnow())
+    deliver(policy, claimed, log)
+    return claimed
+
+
+def deliver(policy: Policy, alerts: list[Alert] | tuple[Alert, ...], log) -> None:
+    """Log and post alerts already claimed in the ledger (each is delivered once)."""
     webhook = policy.settings.alert_webhook
-    for alert in claimed:
+    for alert in alerts:
         log.warning("gpupool budget alert: %s", alert.message)
         if webhook:
             threading.Thread(target=post_alert, args=(webhook, alert, log), daemon=True).start()
-    return claimed
+
+
+def admit(policy: Policy, ledger: Ledger, request: AdmissionRequest, key: str, log) -> AdmissionResult:
+    """`Ledger.admit` (decide and hold `key` as reserved, in one transaction), with its new alerts delivered.
+
+    Blocking (SQL under the team's lock): call it from a thread, not the event loop.
+    """
+    result = ledger.admit(policy, request, key)
+    deliver(policy, result.alerts, log)
+    return result
 
 
 def admit_now(policy: Policy, ledger: Ledger, request: AdmissionRequest, holdings: Holdings, log,

@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 
 from gpupool.hub.accounting.admission import AdmissionRequest
-from gpupool.hub.accounting.ledger import AdmissionResult, Ledger
+from gpupool.hub.accounting.ledger import AdmissionResult, CloseResult, Ledger, RunResult, State
 
 AT = datetime(2026, 11, 15, 12, tzinfo=UTC)
 CONCURRENT = 50
@@ -96,15 +96,55 @@ def test_each_alert_is_sent_once_however_many_admissions_cross_it(ledger, make_p
     assert again.decision.admitted and again.alerts == ()
 
 
+def run(ledger: Ledger, key: str, at: datetime) -> RunResult:
+    """The admitted workload `key` runs from `at` (as its spawner says when it does)."""
+    held = ledger.interval(key)
+    return ledger.keep_run(key, held.user, held.team, held.profile, held.model, held.share, at, at)
+
+
 def test_reservations_count_until_the_interval_has_run_that_long(ledger, policy):
     result = ledger.admit(policy, request("alice", "h200-whole", reserve=timedelta(hours=2)), key="alice/:1")
     assert result.opened and result.decision.admitted
+    assert run(ledger, "alice/:1", AT) is RunResult.OPENED
     assert ledger.usage("2026-11", now=AT + timedelta(minutes=30)).team["vision"] == 2  # reserved
     assert ledger.usage("2026-11", now=AT + timedelta(hours=3)).team["vision"] == 3  # ran longer
     # Reports and bills count use, not reservations.
     assert ledger.gpu_hours("2026-11", now=AT + timedelta(minutes=30)) == {("vision",): Fraction(1, 2)}
     ledger.close_interval("alice/:1", AT + timedelta(minutes=30), "failed")
     assert ledger.usage("2026-11", now=AT + timedelta(hours=3)).team["vision"] == Fraction(1, 2)
+
+
+def test_an_admitted_workload_is_held_from_admission_and_billed_from_when_it_runs(ledger, make_policy):
+    # Quota: one card. alice is admitted at AT; her pod waits an hour in Volcano's queue, then runs an hour.
+    policy = make_policy(teams={"vision": {"quota": {"gpus": 1, "per_user_gpus": None, "per_model": {}}}})
+    assert ledger.admit(policy, request("alice", "h200-whole"), key="alice/:1").decision.admitted
+    held = ledger.interval("alice/:1")
+    assert (held.state, held.run, held.is_open) == (State.RESERVED, "alice/:1", True)
+    # Held: the quota is full for bob while alice's pod waits, though nothing runs yet...
+    waiting = ledger.admit(policy, request("bob", "h200-whole", at=AT + timedelta(minutes=30)), key="bob/:1")
+    assert (waiting.decision.action, waiting.decision.code) == ("wait", "quota-full")
+    assert ledger.holdings().team == {"vision": 1}
+    # ... and not billed: no GPU-hour for the hour it waited.
+    assert ledger.gpu_hours("2026-11", now=AT + timedelta(hours=1)) == {}
+    assert run(ledger, "alice/:1", AT + timedelta(hours=1)) is RunResult.OPENED
+    assert run(ledger, "alice/:1", AT + timedelta(hours=1)) is RunResult.RUNNING  # a second report: nothing new
+    assert ledger.interval("alice/:1").state is State.RUNNING
+    assert ledger.gpu_hours("2026-11", now=AT + timedelta(hours=2)) == {("vision",): Fraction(1)}
+    assert ledger.close_run("alice/:1", AT + timedelta(hours=2), "stopped") is CloseResult.CLOSED
+    assert ledger.gpu_hours("2026-11", now=AT + timedelta(hours=5)) == {("vision",): Fraction(1)}
+
+
+def test_a_holding_that_ends_without_running_costs_nothing_and_frees_its_share(ledger, make_policy):
+    policy = make_policy(teams={"vision": {"quota": {"gpus": 1, "per_user_gpus": None, "per_model": {}}}})
+    assert ledger.admit(policy, request("alice", "h200-whole", reserve=timedelta(hours=1)), key="alice/:1").opened
+    assert ledger.usage("2026-11", now=AT).team["vision"] == 1  # budgets count its reservation while it is held
+    ledger.close_run("alice/:1", AT + timedelta(minutes=20), "failed")  # its pod never ran
+    assert ledger.gpu_hours("2026-11", now=AT + timedelta(hours=1)) == {}
+    assert ledger.usage("2026-11", now=AT + timedelta(hours=1)).team == {}
+    assert ledger.interval("alice/:1").gpu_hours("2026-11", AT + timedelta(hours=1)) == 0
+    assert ledger.admit(policy, request("bob", "h200-whole", at=AT + timedelta(minutes=21)), key="bob/:1").opened
+    # A late report that it runs changes nothing: it ended.
+    assert run(ledger, "alice/:1", AT + timedelta(minutes=30)) is RunResult.ENDED
 
 
 def test_admitting_the_same_key_again_changes_nothing(ledger, policy):
