@@ -69,6 +69,33 @@ CHOICE_TRAITS = (
 # --- the Volcano binding and the final pass over the pod (pure) -------------------------------------------
 
 
+#: What this module relies on of KubeSpawner (and of JupyterHub's Spawner) beyond their configuration traits: the
+#: class, the member, and its parameters where it is called or overridden. `tests/test_kube_spawner.py` checks each against the installed releases, so a release
+#: that renames, removes or re-signs one fails there, by name, instead of at a user's first spawn.
+UPSTREAM_INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
+    ("kubespawner.KubeSpawner", "_start", ("self",)),  # overridden: admission runs before the pod
+    ("kubespawner.KubeSpawner", "_make_create_pod_request", ("self", "pod", "request_timeout")),  # sanitizes
+    ("kubespawner.KubeSpawner", "_get_reflector_key", ("self", "kind")),  # PodGroup reflectors beside its own
+    ("kubespawner.KubeSpawner", "reflectors", None),  # the class-level reflector registry
+    ("kubespawner.KubeSpawner", "pod_reflector", None),
+    ("kubespawner.KubeSpawner", "event_reflector", None),
+    ("kubespawner.KubeSpawner", "load_user_options", ("self",)),  # overridden: the mixin's checked choice
+    ("kubespawner.reflector.ResourceReflector", "kind", None),
+    ("kubespawner.reflector.ResourceReflector", "api_group_name", None),
+    ("kubespawner.reflector.ResourceReflector", "list_method_name", None),
+    ("kubespawner.reflector.ResourceReflector", "first_load_future", None),
+    ("kubespawner.reflector.ResourceReflector", "resources", None),
+    ("kubespawner.reflector.ResourceReflector", "start", ("self",)),
+    ("kubespawner.spawner.EventReflector", "events", None),
+    ("jupyterhub.spawner.Spawner", "_spawn_pending", None),
+    ("jupyterhub.spawner.Spawner", "_stop_pending", None),
+    ("jupyterhub.spawner.Spawner", "_log_name", None),
+    ("kubespawner.KubeSpawner", "_start_future", None),  # the running `_start`, which progress() outlives
+    ("kubespawner.KubeSpawner", "_render_options_form_dynamically", ("self", "current_spawner")),
+    ("kubespawner.KubeSpawner", "_sorted_dict_values", ("self", "src")),  # its tolerations, merged with ours
+)
+
+
 @dataclass(frozen=True)
 class VolcanoBinding:
     """What ties a pod to its team's queue: scheduler, PriorityClass and Volcano's annotations."""
@@ -514,7 +541,7 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         run = run_key(self.user.name, self.name, self.run_started())
         # Known before it is asked for: were the spawn cancelled while the thread admits it, `_start` still ends
         # the holding (closing one that was never admitted changes nothing).
-        self.usage_run = run if choice.profile.gpu is not None else None
+        self.usage_run, self.usage_running = (run if choice.profile.gpu is not None else None), False
         while True:
             policy = self.policy
             request = AdmissionRequest(user=self.user.name, team=choice.team, at=periods.utcnow(), profile=choice.slug)

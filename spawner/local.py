@@ -24,10 +24,9 @@ from sqlalchemy.orm import object_session
 from tornado import web
 from traitlets import Unicode, default
 
-from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import AdmissionRequest, Holdings
-from gpupool.hub.accounting.ledger import HowEnded, Ledger
-from gpupool.hub.accounting.notify import admit_now
+from gpupool.hub.accounting import notify, periods
+from gpupool.hub.accounting.admission import AdmissionRequest, Holdings, decide
+from gpupool.hub.accounting.ledger import HowEnded, Ledger, run_key
 from gpupool.policies import defaults
 from gpupool.policies.choice import Choice
 from gpupool.policies.identity import unix_group, unix_user
@@ -39,7 +38,8 @@ from gpupool.spawner.accounts import (
 from gpupool.spawner.datasets import ServerDatasets
 from gpupool.spawner.mixin import GPUPoolSpawnerMixin, refusal
 from gpupool.spawner.pool import (
-    AllocationStore, Decide, LocalPool, Refused, Request, Verdict, discover_cards, process_alive, process_start_time,
+    AllocationStore, Decide, Hold, LocalPool, Refused, Request, Verdict, discover_cards, process_alive,
+    process_start_time,
 )
 from gpupool.spawner.placement import placement_for
 from gpupool.spawner.requeue import requeue
@@ -47,8 +47,12 @@ from gpupool.spawner.requeue import requeue
 _pools: dict[str, LocalPool] = {}
 
 
-def admission(policy_of: Callable[[], Policy], ledger: Ledger, log) -> Decide:
-    """The accounting's admission decision for the pool's queue: quotas wait, budgets follow on_exhausted.
+def _verdict(decision) -> Verdict:
+    return Verdict(decision.action, "" if decision.admitted else decision.reason, decision.priority, code=decision.code)
+
+
+def admission(policy_of: Callable[[], Policy], ledger: Ledger) -> Decide:
+    """The accounting's decision for ordering and explaining the pool's queue (pure: nothing is written).
 
     The period's usage is read from the ledger once per state of the queue (per `Holdings` a pass of the queue
     decides against: a new pass, or a placement within one), not once per waiting request: a queue of 50 asks
@@ -56,17 +60,26 @@ def admission(policy_of: Callable[[], Policy], ledger: Ledger, log) -> Decide:
     """
     seen: list = [None, None]  # the holdings last decided against, and the usage read for them
 
-    def decide(request: Request, holdings: Holdings) -> Verdict:
+    def decide_queued(request: Request, holdings: Holdings) -> Verdict:
         at = periods.utcnow()
         period = periods.period_of(at)
         if seen[0] is not holdings or seen[1].period != period:
             seen[:] = holdings, ledger.usage(period, at)
         asked = AdmissionRequest(user=request.user, team=request.team, at=at, profile=request.profile)
-        decision = admit_now(policy_of(), ledger, asked, holdings, log, usage=seen[1])
-        return Verdict(decision.action, "" if decision.admitted else decision.reason, decision.priority,
-                       code=decision.code)
+        return _verdict(decide(policy_of(), asked, holdings, seen[1]))
 
-    return decide
+    return decide_queued
+
+
+def door(policy_of: Callable[[], Policy], ledger: Ledger, log) -> Hold:
+    """The pool's placements through the ledger's one door (`notify.admit` → `Ledger.admit`): decided again and
+    held as `reserved` under the request's holding key in one transaction, with the budget alerts it crosses."""
+
+    def hold(request: Request) -> Verdict:
+        asked = AdmissionRequest(user=request.user, team=request.team, at=periods.utcnow(), profile=request.profile)
+        return _verdict(notify.admit(policy_of(), ledger, asked, request.holding or request.key, log).decision)
+
+    return hold
 
 
 def exit_record(state_dir: str, pid: int, started: float | None) -> Path:
@@ -105,9 +118,11 @@ def get_pool(state_dir: str, policy_of: Callable[[], Policy], ledger: Ledger, lo
     if pool is None:
         Path(state_dir).mkdir(parents=True, exist_ok=True)
         cards, source = discover_cards(policy_of())
-        decide = admission(policy_of, ledger, log)
-        pool = LocalPool(cards, AllocationStore(Path(state_dir) / "allocations.sqlite"), decide,
-                         lambda model: placement_for(policy_of(), model))
+        # What is held against the quotas is the ledger's (reserved and running holdings); the store says which
+        # cards are taken.
+        pool = LocalPool(cards, AllocationStore(Path(state_dir) / "allocations.sqlite"), admission(policy_of, ledger),
+                         lambda model: placement_for(policy_of(), model), holdings=ledger.holdings,
+                         hold=door(policy_of, ledger, log))
         pool.devices_are_real = source == "nvml"
         _pools[state_dir] = pool
         # Exit records nobody read (servers the hub stopped itself) are only clutter after a day.
@@ -567,19 +582,25 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         for team in teams:
             ensure_team_folder(Path(self.team_root), team, self.run_as == "user")
         if choice.profile.gpu is not None:
+            # The run's holding in the ledger, `reserved` once the pool places it and `running` once the server
+            # runs (`open_usage`); ended unbilled if it never does (`_free`, or a cancel just as it was placed).
+            self.usage_run = run_key(self.user.name, self.name, self.run_started()) if self.ledger_url else None
+            self.usage_running = False
             request = Request(
                 key=self.pool_key, user=self.user.name, team=choice.team, profile=choice.slug,
                 display_name=choice.profile.display_name, model=choice.profile.gpu.model,
                 share=profile_share(choice.profile, self.policy),
-                priority=self.policy.teams[choice.team].priority,
+                priority=self.policy.teams[choice.team].priority, holding=self.usage_run or "",
             )
             queued = periods.utcnow()
             try:
                 allocation = await self.pool.acquire(request, timeout=self.policy.queue_timeout(choice.team),
                                                      options=dict(self.user_options or {}))
             except Refused as error:
+                self.close_usage(HowEnded.FAILED)
                 raise refusal(str(error), error.code) from None
             except asyncio.CancelledError:
+                self.close_usage(HowEnded.FAILED)
                 # Stopped while waiting (the progress page's button, DELETE on the server). JupyterHub cleans up
                 # after a failed start but not after a cancelled one: the server record it made for this spawn
                 # would stay, making the server look ready (a redirect loop to a server that never ran).

@@ -372,6 +372,8 @@ class Request:
     model: str
     share: Fraction
     priority: int = 0
+    #: The ledger key its holding is recorded under once admitted (a server's run key); "" for the request's key.
+    holding: str = ""
 
 
 @dataclass(frozen=True)
@@ -384,8 +386,11 @@ class Verdict:
     code: Reason = field(kw_only=True)  # the decision's reason code (admission.Reason)
 
 
-#: Admission: given a request and what is held, may it start now? (The accounting service plugs in here.)
+#: Admission: given a request and what is held, may it start now? (The accounting plugs in here.) Pure: the
+#: queue asks it to order and explain what waits.
 Decide = Callable[[Request, Holdings], Verdict]
+#: The door: decide `request` again and hold its share, in one transaction (`Ledger.admit`), as it is placed.
+Hold = Callable[[Request], Verdict]
 
 
 def admit_all(request: Request, holdings: Holdings) -> Verdict:
@@ -432,10 +437,16 @@ class LocalPool:
     """One machine's cards, the allocation store and the wait queue, shared by all spawns of a hub."""
 
     def __init__(self, cards: list[Card], store: AllocationStore, decide: Decide = admit_all,
-                 placement: Callable[[str], Placement] = lambda model: BEST_FIT):
+                 placement: Callable[[str], Placement] = lambda model: BEST_FIT, *,
+                 holdings: Callable[[], Holdings] | None = None, hold: Hold | None = None):
+        """`decide` orders and explains the queue against `holdings()` (what is held against the quotas: the
+        ledger's holdings in a hub; the store's allocations by default); `hold`, when given, is the door each
+        placement goes through: a refusal there gives the cards back and the request waits (or is denied)."""
         self.cards = cards
         self.store = store
         self.decide = decide
+        self.holdings = holdings or (lambda: Holdings.of(self.store.all()))
+        self.hold = hold
         self.placement = placement  # per model, read at each placement (policies reload)
         self.waiting: dict[str, Ticket] = {}
         self.devices_are_real = False  # True when the cards came from NVML
@@ -538,6 +549,21 @@ class LocalPool:
             for team in self._queued_teams:
                 QUEUE_LENGTH.labels(team).set(waiting.count(team))
 
+    def _place(self, request: Request) -> Allocation | Verdict | None:
+        """Cards for `request` (None: none free), through the door when there is one (its refusal, if it refuses)."""
+        allocation = self.store.reserve(request, self.cards, self.placement(request.model))
+        if allocation is None or self.hold is None:
+            return allocation
+        try:
+            verdict = self.hold(request)
+        except BaseException:
+            self.store.release(request.key)
+            raise
+        if verdict.action != "admit":  # another process took the last of the quota, or the budget ran out
+            self.store.release(request.key)
+            return verdict
+        return allocation
+
     @staticmethod
     def _waits(ticket: Ticket, code: Reason) -> None:
         """`ticket` waits for reason `code`: counted when the reason is new for it, not at every pass."""
@@ -555,8 +581,7 @@ class LocalPool:
         pending = [t for t in pending if t not in held_back]
         by_key = {t.request.key: t for t in pending}
         outcomes, still_keys = admit_in_order(
-            [(t.request, t.seq) for t in pending], Holdings.of(self.store.all()), self.decide,
-            lambda request: self.store.reserve(request, self.cards, self.placement(request.model)), self.capacity,
+            [(t.request, t.seq) for t in pending], self.holdings(), self.decide, self._place, self.capacity,
         )
         for outcome in outcomes:
             ticket = by_key[outcome.key]
@@ -621,13 +646,14 @@ def admit_in_order(
     pending: list[tuple[Request, int]],
     holdings: Holdings,
     decide: Decide,
-    reserve: Callable[[Request], Allocation | None],
+    reserve: Callable[[Request], Allocation | Verdict | None],
     capacity: Callable[[str], int],
 ) -> tuple[list[Outcome], list[str]]:
     """One pass of the queue: admit and place what can start, in order of priority then arrival.
 
     `pending` are the waiting requests with their arrival numbers, `holdings` what is held now, and
-    `reserve` places a request (None when it does not fit). The pool calls this with its allocation store;
+    `reserve` places a request (None when it does not fit; a verdict when the door refused it as it was
+    placed, which then stands for this pass). The pool calls this with its allocation store and the ledger's door;
     `gpupool replay` with an in-memory one, so that both make the same decisions. Returns what happened to
     each request, and the keys still waiting in queue order.
     """
@@ -659,6 +685,11 @@ def admit_in_order(
             outcomes.append(Outcome(request.key, "wait", Reason.NO_CAPACITY, full(request)))
             continue
         allocation = reserve(request)
+        if isinstance(allocation, Verdict):
+            verdicts[request.key] = allocation
+            outcomes.append(Outcome(request.key, "deny" if allocation.action == "deny" else "wait", allocation.code,
+                                    allocation.reason))
+            continue
         if allocation is None:
             # An earlier request that does not fit keeps later ones of the same model from overtaking it.
             blocked_models.add(request.model)

@@ -32,8 +32,10 @@ def get_ledger(url: str) -> Ledger:
 class UsageLedgerMixin(LoggingConfigurable):
     """A server's usage in the ledger. Needs `gpupool_choice`, `policy`, `user`, `name` and `orm_spawner`.
 
-    Spawners call `open_usage()` once the server holds its share, `see_usage()` from `poll()` while it
-    runs, and `close_usage(how)` when it ends; the run's key is kept in the spawner's state.
+    Spawners admit the run under its key (`usage_run`, held as `reserved` in the ledger: not billed), call
+    `open_usage()` once the server runs (the holding is `running`, billed from then on), `see_usage()` from
+    `poll()` while it runs, and `close_usage(how)` when it ends (a holding that never ran ends unbilled); the
+    run's key is kept in the spawner's state.
     """
 
     ledger_url = Unicode(
@@ -49,8 +51,10 @@ class UsageLedgerMixin(LoggingConfigurable):
     def _default_ledger_url(self):
         return os.environ.get("GPUPOOL_LEDGER_URL", "")
 
-    #: The ledger run of the running server (None: nothing is being recorded).
+    #: The ledger run of the server, from its admission on (None: nothing is being recorded).
     usage_run: str | None = None
+    #: Whether the run runs (`open_usage` was called): until then a look at it only says it is still there.
+    usage_running: bool = False
 
     @property
     def ledger(self) -> Ledger:
@@ -84,7 +88,9 @@ class UsageLedgerMixin(LoggingConfigurable):
         facts = self._usage_facts()
         if facts is None:
             return
-        self.usage_run = run_key(self.user.name, self.name, self.run_started())
+        # The key it was admitted under, if it was (a spawner outside a hub has no fixed start to recompute it).
+        self.usage_run = self.usage_run or run_key(self.user.name, self.name, self.run_started())
+        self.usage_running = True
         now = periods.utcnow()
         self._ledger("open", "keep_run", self.usage_run, *facts, now, now, queue_wait=queue_wait)
 
@@ -92,6 +98,9 @@ class UsageLedgerMixin(LoggingConfigurable):
         """The server is running now: a heartbeat, or a continuation when reconciliation closed it meanwhile."""
         facts = self._usage_facts()
         if self.usage_run is None or facts is None:
+            return
+        if not self.usage_running:  # admitted, not running yet (a stop while it waits): held, still not billed
+            self._ledger("heartbeat", "heartbeat_run", self.usage_run, periods.utcnow())
             return
         # Were its interval lost (a failed first write), it would be opened at the hub's start, as the
         # accounting service's reconciliation does.
@@ -105,7 +114,7 @@ class UsageLedgerMixin(LoggingConfigurable):
         if end is None:
             end = None if at_last_seen else periods.utcnow()
         self._ledger("close", "close_run", self.usage_run, end, how)
-        self.usage_run = None
+        self.usage_run, self.usage_running = None, False
 
     def get_state(self):
         state = super().get_state()
@@ -116,3 +125,5 @@ class UsageLedgerMixin(LoggingConfigurable):
     def load_state(self, state):
         super().load_state(state)
         self.usage_run = state.get("usage_run")
+        # A server the hub kept across a restart ran (a spawn in progress does not outlive its hub).
+        self.usage_running = self.usage_run is not None

@@ -16,7 +16,7 @@ from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import Holdings, Reason
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.policies.loader import load_policy_files
-from gpupool.spawner.local import admission
+from gpupool.spawner.local import admission, door
 from gpupool.spawner.pool import AllocationStore, Card, LocalPool, Request
 
 
@@ -50,10 +50,15 @@ settings: {{alert_webhook: "http://127.0.0.1:{server.server_port}/hook"}}
         ledger.open_interval("old", "alice", "vision", "q", "H200", Fraction(1), now - timedelta(hours=10))
         ledger.close_interval("old", now - timedelta(hours=1), "stopped")
         assert ledger.usage(periods.period_of(now), now).team["vision"] == 9
-        decide = admission(lambda: policy, ledger, logging.getLogger("test"))
-        request = Request("bob/", "bob", "vision", "q", "q", "H200", Fraction(1, 4))
-        assert decide(request, Holdings()).action == "admit"
-        assert decide(request, Holdings()).action == "admit"  # asked again: no second alert
+        # Through the door, as the pool places each: both admissions find 80% passed; the alert is sent once.
+        hold = door(lambda: policy, ledger, logging.getLogger("test"))
+        for user in ("bob", "carol"):
+            assert hold(Request(f"{user}/", user, "vision", "q", "q", "H200", Fraction(1, 4))).action == "admit"
+        assert {i.user: i.state for i in ledger.open_intervals()} == {"bob": "reserved", "carol": "reserved"}
+        # Ordering the queue decides without writing or alerting.
+        decide = admission(lambda: policy, ledger)
+        assert decide(Request("dan/", "dan", "vision", "q", "q", "H200", Fraction(1, 4)), Holdings()).action == "admit"
+        assert len(ledger.open_intervals()) == 2
         deadline = time.monotonic() + 5
         while not received and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -77,7 +82,8 @@ billing: {prices: {H200: '1'}}
     real_usage = ledger.usage
     ledger.usage = lambda *args, **kwargs: reads.append(args) or real_usage(*args, **kwargs)  # a spy on the real one
     pool = LocalPool([Card("GPU-0", "H200", 0, 141)], AllocationStore(tmp_path / "allocations.sqlite"),
-                     admission(lambda: policy, ledger, logging.getLogger("test")))
+                     admission(lambda: policy, ledger), holdings=ledger.holdings,
+                     hold=door(lambda: policy, ledger, logging.getLogger("test")))
 
     def request(n: int) -> Request:
         return Request(f"user{n}/", f"user{n}", "vision", "q", "q", "H200", Fraction(1, 4))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import importlib
+import inspect
 import itertools
 import re
 import shutil
@@ -27,7 +29,7 @@ from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import HowEnded, Ledger, State, run_key
 from gpupool.policies import load_policy
 from gpupool.spawner import podgroups
-from gpupool.spawner.kube import GPUKubeSpawner, policy_priorities, volcano_binding
+from gpupool.spawner.kube import UPSTREAM_INTERNALS, GPUKubeSpawner, policy_priorities, volcano_binding
 from gpupool.spawner.usage import get_ledger
 from jupyterhub import orm
 from jupyterhub.objects import Hub, Server
@@ -1147,3 +1149,32 @@ async def test_spawns_admitted_together_never_exceed_a_quota_between_them(cluste
     assert [i.key for i in ledger.open_intervals()] == ["carol-server"]  # neither ran: the holding ended unbilled
     assert ledger.interval(held.key).how == "stopped" and ledger.gpu_hours(periods.period_of(periods.utcnow()),
                                                                           ("user",)).get((held.user,)) is None
+
+
+# --- what GPUKubeSpawner relies on upstream -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("owner", "member", "parameters"), UPSTREAM_INTERNALS,
+                         ids=[f"{owner}.{member}" for owner, member, _ in UPSTREAM_INTERNALS])
+def test_the_upstream_internals_gpukubespawner_relies_on_are_there(owner, member, parameters):
+    module_name, _, class_name = owner.rpartition(".")
+    found = getattr(importlib.import_module(module_name), class_name)
+    source = inspect.getsource(found)
+    assert hasattr(found, member) or f"self.{member} = " in source, (
+        f"{owner}.{member} is gone from this release: update GPUKubeSpawner and UPSTREAM_INTERNALS")
+    if parameters is not None:
+        assert tuple(inspect.signature(getattr(found, member)).parameters) == parameters, (
+            f"{owner}.{member} now takes {inspect.signature(getattr(found, member))}: update GPUKubeSpawner")
+
+
+def test_every_private_upstream_member_gpukubespawner_uses_is_listed():
+    # Every `self._x` / `super()._x` in the module is gpupool's own (defined in the spawner's modules) or listed.
+    modules = [importlib.import_module(f"gpupool.spawner.{name}") for name in ("kube", "mixin", "usage")]
+    used = set(re.findall(r"(?:self|super\(\))\.(_[a-z][a-z_]*)", inspect.getsource(modules[0])))
+    ours = {name for name in used for module in modules
+            if re.search(rf"(def {name}\b|^\s*{name}\s*[:=]|self\.{name} = )", inspect.getsource(module), re.M)}
+    listed = {member for _owner, member, _ in UPSTREAM_INTERNALS}
+    assert used - ours - listed == set(), "list these in spawner/kube.py UPSTREAM_INTERNALS"
+    assert listed - used <= {"reflectors", "pod_reflector", "event_reflector", "load_user_options", "kind",
+                             "api_group_name", "list_method_name", "first_load_future", "resources", "start",
+                             "events"}  # public names, used on reflectors or through `self.__class__`

@@ -1,8 +1,9 @@
 """Admission: may this request for a GPU share start now? A pure function of the policy and the numbers.
 
-`decide()` does no I/O. Both spawners call it through `notify.admit_now`, which reads the period's usage
-from the ledger and sends the alerts; `Ledger.admit` decides and opens the interval in one locked
-transaction, but no spawner calls it yet (only its tests do). Two limits, never confused:
+`decide()` does no I/O. Both spawners are admitted through `Ledger.admit` (via `notify.admit`, which delivers
+the alerts), which calls it against the team's holdings and the period's usage read under the team's lock
+and holds the share in the same transaction; the embedded queue also calls it, without writing, to order and
+explain what waits. Two limits, never confused:
 
 - the **concurrent quota** (`quota.gpus`, `quota.per_user_gpus`, `quota.per_model`: shares held at once)
   is full → `wait` in the queue; a request larger than the quota itself could never start → `deny`;

@@ -1,7 +1,7 @@
 """Budget alerts leaving the accounting: claimed once per threshold and period, logged, and posted to the webhook.
 
-Both spawners admit through here (`admit`: the ledger's door, deciding and holding in one transaction; `admit_now`:
-the embedded queue's decision against its cards), so an alert is sent the same way whichever mode made the decision.
+Both spawners admit through `admit` (the ledger's one door: decided and held in one transaction), so an alert is
+claimed once and sent the same way whichever mode made the decision.
 """
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ import json
 import threading
 import urllib.request
 
-from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import Alert, AdmissionRequest, Decision, Holdings, Usage, decide
+from gpupool.hub.accounting.admission import Alert, AdmissionRequest
 from gpupool.hub.accounting.ledger import AdmissionResult, Ledger
 from gpupool.policies.model import Policy
 
@@ -26,15 +25,6 @@ def post_alert(url: str, alert: Alert, log) -> None:
             pass
     except OSError as error:
         log.error("budget alert webhook %s failed: %s", url, error)
-
-
-def send_alerts(policy: Policy, ledger: Ledger, decision: Decision, log) -> list[Alert]:
-    """The decision's alerts not sent before (claimed in the ledger), logged and posted; returns them."""
-    if not (decision.admitted and decision.alerts):
-        return []
-    claimed = ledger.claim_alerts(decision.alerts, periods.utcnow())
-    deliver(policy, claimed, log)
-    return claimed
 
 
 def deliver(policy: Policy, alerts: list[Alert] | tuple[Alert, ...], log) -> None:
@@ -54,16 +44,3 @@ def admit(policy: Policy, ledger: Ledger, request: AdmissionRequest, key: str, l
     result = ledger.admit(policy, request, key)
     deliver(policy, result.alerts, log)
     return result
-
-
-def admit_now(policy: Policy, ledger: Ledger, request: AdmissionRequest, holdings: Holdings, log,
-              usage: Usage | None = None) -> Decision:
-    """The admission decision for `request` against the period's usage so far, with its alerts sent.
-
-    `usage` is the period's usage when the caller has just read it (`Ledger.usage`); read here otherwise.
-    """
-    if usage is None:
-        usage = ledger.usage(periods.period_of(request.at), request.at)
-    decision = decide(policy, request, holdings, usage)
-    send_alerts(policy, ledger, decision, log)
-    return decision
