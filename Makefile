@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.gpupool-installed
 PYTEST_ARGS ?=
 
-.PHONY: up test install system-packages server-env clean cli
+.PHONY: up test test-unit test-e2e install system-packages server-env clean cli
 
 $(STAMP): setup.cfg pyproject.toml images/base/overrides.json
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -104,6 +104,14 @@ system-packages:
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The two halves of `make test` (tests/conftest.py marks them): unit tests (in-process, a few minutes) and
+# end-to-end tests (a real hub, services, PostgreSQL, S3, Chromium).
+test-unit: install
+	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
+
+test-e2e: install
+	$(BIN)/python -m pytest -m e2e $(PYTEST_ARGS)
 
 # UP_ARGS go to `gpupool up`, e.g. make up UP_ARGS="--port 9000 --policies policies/examples"
 UP_ARGS ?=

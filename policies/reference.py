@@ -79,7 +79,7 @@ def policy_reference() -> str:
         "",
     ]
     for model in _models(m.Policy):
-        lines.append(f"#### {model.__name__}")
+        lines.append(f"### {model.__name__}")
         doc = (model.__doc__ or "").strip().splitlines()
         if doc:
             lines += ["", doc[0]]

@@ -291,8 +291,7 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
             self.log.warning("profile_list is configured, but GPUKubeSpawner's profiles come from the policy in %s: "
                              "its entries only fill the kubespawner form, their kubespawner_override is ignored",
                              self.policy_dir)
-        if self.gpupool_choice is None:  # started without going through apply_user_options
-            self._apply_choice(self, self.user_options)
+        self.ensure_choice()
 
     # --- traits from the checked choice ---------------------------------------------------------------
 
@@ -345,20 +344,15 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         # The hub waits `start_timeout` for start() as a whole, queue included; the queue's own limit comes
         # from policy and `_watch_queue` enforces both, counting start_timeout from admission only. The
         # margin covers the pod creation KubeSpawner may retry before the queue even sees the pod.
-        self.start_timeout = (base["start_timeout"] + self.policy.queue_timeout(choice.team)
+        # Every pod can queue in Volcano (CPU-only ones too, for the queue's cpu and memory capability).
+        self.start_timeout = (self.queued_start_timeout(base["start_timeout"], choice, can_queue=True)
                               + self.k8s_api_request_retry_timeout)
         # DVC's user-level config (the team remote) is written in the pod from GPUPOOL_DVC_CONFIG.
         self.lifecycle_hooks = {"postStart": {"exec": {"command": KUBE_POST_START}}, **base["lifecycle_hooks"]}
 
     def get_env(self):
         env = super().get_env()
-        choice = self.gpupool_choice
-        if choice is not None:
-            env["GPUPOOL_TEAM"] = choice.team
-            env["GPUPOOL_PROFILE"] = choice.slug
-            env["GPUPOOL_SHARE"] = str(profile_share(choice.profile, self.policy))
-            if choice.profile.gpu is not None:
-                env["GPUPOOL_GPU_MODEL"] = choice.profile.gpu.model
+        if self.gpupool_choice is not None:  # (the GPUPOOL_* of the choice are the mixin's)
             env.update(kube_env(self.server_datasets(KUBE_TEAM_ROOT, kubernetes=True)))
         for name in FORBIDDEN_ENV:
             env.pop(name, None)
@@ -661,9 +655,6 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
 
     def get_state(self):
         state = super().get_state()
-        if self.gpupool_choice:
-            state["choice"] = {"profile": self.gpupool_choice.slug, "team": self.gpupool_choice.team,
-                               "image": self.gpupool_choice.image}
         if self.gpupool_deprioritized:
             state["deprioritized"] = True
         return state
@@ -677,7 +668,3 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
     def load_state(self, state):
         super().load_state(state)
         self.gpupool_deprioritized = bool(state.get("deprioritized"))
-        choice = state.get("choice")
-        if choice and choice["profile"] in self.policy.profiles:
-            self.gpupool_choice = Choice(choice["profile"], copy.deepcopy(self.policy.profiles[choice["profile"]]),
-                                         choice["team"], choice["image"])

@@ -454,7 +454,7 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         # share) gets the queue timeout on top; one that never queues keeps the configured timeout.
         base = getattr(self, "_gpupool_base_start_timeout", None) or self.start_timeout
         self._gpupool_base_start_timeout = base
-        self.start_timeout = base + (self.policy.queue_timeout(choice.team) if profile.gpu is not None else 0)
+        self.start_timeout = self.queued_start_timeout(base, choice, can_queue=profile.gpu is not None)
 
     # --- users and folders ----------------------------------------------------------------------------
 
@@ -520,12 +520,8 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         if choice is None:
             return env
         env.pop("CUDA_VISIBLE_DEVICES", None)
-        env["GPUPOOL_TEAM"] = choice.team
-        env["GPUPOOL_PROFILE"] = choice.slug
         share = profile_share(choice.profile, self.policy)
-        env["GPUPOOL_SHARE"] = str(share)
         if choice.profile.gpu is not None:
-            env["GPUPOOL_GPU_MODEL"] = choice.profile.gpu.model
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.allocation_cards)
             if share < 1:
                 memory = self.policy.models[choice.profile.gpu.model].memory_gib
@@ -570,9 +566,7 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         return env
 
     async def start(self):
-        if self.gpupool_choice is None:  # started without going through apply_user_options
-            self._apply_choice(self, self.user_options)
-        choice = self.gpupool_choice
+        choice = self.ensure_choice()
         teams = self.user_teams()
         if self.run_as == "user":
             try:
@@ -704,9 +698,6 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             state["pid_started"] = self.pid_started
         if self.allocation_key:
             state["allocation"] = {"key": self.allocation_key, "cards": list(self.allocation_cards)}
-        if self.gpupool_choice:
-            state["choice"] = {"profile": self.gpupool_choice.slug, "team": self.gpupool_choice.team,
-                               "image": self.gpupool_choice.image}
         return state
 
     def load_state(self, state):
@@ -715,10 +706,6 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         allocation = state.get("allocation")
         if allocation:
             self.allocation_key, self.allocation_cards = allocation["key"], tuple(allocation["cards"])
-        choice = state.get("choice")
-        if choice and choice["profile"] in self.policy.profiles:
-            self.gpupool_choice = Choice(choice["profile"], self.policy.profiles[choice["profile"]],
-                                          choice["team"], choice["image"])
 
     def clear_state(self):
         super().clear_state()

@@ -7,6 +7,7 @@ anything starts; a refusal becomes an HTTP 400 or 403 here.
 
 from __future__ import annotations
 
+import copy
 import html
 import os
 import socket
@@ -144,9 +145,15 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
 
     def get_env(self):
         env = super().get_env()
+        choice = self.gpupool_choice
         if self.mlflow_url and env.get("JUPYTERHUB_API_TOKEN"):
-            env.update(mlflow_env(self.mlflow_url, env["JUPYTERHUB_API_TOKEN"],
-                                  self.gpupool_choice.team if self.gpupool_choice else None))
+            env.update(mlflow_env(self.mlflow_url, env["JUPYTERHUB_API_TOKEN"], choice.team if choice else None))
+        if choice is not None:  # what the server runs as, for the user's code and `gpupool` in the server
+            env["GPUPOOL_TEAM"] = choice.team
+            env["GPUPOOL_PROFILE"] = choice.slug
+            env["GPUPOOL_SHARE"] = str(profile_share(choice.profile, self.policy))
+            if choice.profile.gpu is not None:
+                env["GPUPOOL_GPU_MODEL"] = choice.profile.gpu.model
         return env
 
     @property
@@ -327,6 +334,35 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
 
     def apply_choice(self, choice: Choice) -> None:
         """Set the spawner's traits from a checked choice (subclasses add what their backend needs)."""
+
+    def ensure_choice(self) -> Choice:
+        """The checked choice, checked now when the start did not go through `apply_user_options` (a spawn
+        from the REST API of a hub whose `apply_user_options` is configured otherwise, an adopted server)."""
+        if self.gpupool_choice is None:
+            self._apply_choice(self, self.user_options)
+        return self.gpupool_choice
+
+    def queued_start_timeout(self, base: float, choice: Choice, can_queue: bool) -> float:
+        """`start_timeout` for `choice`: waiting in the queue must not count against the configured `base`, so a
+        start that can queue gets the team's queue timeout on top."""
+        return base + (self.policy.queue_timeout(choice.team) if can_queue else 0)
+
+    # --- the choice across hub restarts -------------------------------------------------------------------
+
+    def get_state(self):
+        state = super().get_state()
+        if self.gpupool_choice:
+            state["choice"] = {"profile": self.gpupool_choice.slug, "team": self.gpupool_choice.team,
+                               "image": self.gpupool_choice.image}
+        return state
+
+    def load_state(self, state):
+        super().load_state(state)
+        choice = state.get("choice")
+        if choice and choice["profile"] in self.policy.profiles:
+            # A copy: a spawner's choice is its own (the policy's objects are shared by every spawner).
+            self.gpupool_choice = Choice(choice["profile"], copy.deepcopy(self.policy.profiles[choice["profile"]]),
+                                         choice["team"], choice["image"])
 
 
 def _resolved(choice: Choice) -> dict:

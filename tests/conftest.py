@@ -38,12 +38,36 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="also run the tests that need a real NVIDIA GPU and driver (tests/test_gpu.py)")
 
 
+#: The end-to-end test modules: each starts real processes (a hub with its proxy, spawned servers and services,
+#: Chromium, Helm, system accounts). Their tests, and every test against PostgreSQL or SeaweedFS, are marked
+#: `e2e`; all others are unit tests, in-process and quick: `make test-unit` runs those alone, `make test-e2e` the
+#: rest. (tests/test_layers.py checks that every module starting a hub is listed here.)
+E2E_MODULES = frozenset({
+    "test_accounting_restart", "test_accounting_service", "test_cli_team", "test_concurrent_spawns", "test_datasets",
+    "test_embedded", "test_gpu", "test_helm", "test_identity_hub", "test_journey", "test_lifecycle",
+    "test_mlflow_service", "test_named_servers", "test_queue_restart", "test_server_env", "test_spawner_contract",
+    "test_system_users", "test_team_terminals",
+})
+#: Fixtures that start a real server for the test.
+E2E_FIXTURES = frozenset({"postgres_server", "s3_server"})
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "postgresql: runs against a real PostgreSQL server started by the tests")
     config.addinivalue_line("markers", "gpu: needs a real NVIDIA GPU; opt in with --gpu")
+    config.addinivalue_line("markers", "e2e: end to end, with real processes (hub, services, PostgreSQL, S3, "
+                                       "Chromium); `-m 'not e2e'` runs the unit tests alone")
+
+
+def is_e2e(item: pytest.Item) -> bool:
+    return (item.module.__name__.rpartition(".")[2] in E2E_MODULES or "postgresql" in item.keywords
+            or not E2E_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if is_e2e(item):
+            item.add_marker(pytest.mark.e2e)
     if config.getoption("--gpu"):
         return
     skip = pytest.mark.skip(reason="needs a real NVIDIA GPU and driver: run with --gpu on such a machine")

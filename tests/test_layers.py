@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -200,3 +201,37 @@ def test_the_run_context_plugin_registers_in_any_import_order(first, tmp_path):
     assert done.stdout.splitlines() == ["1", "vision"], done.stdout
     assert "partially initialized" not in done.stderr and "circular import" not in done.stderr, done.stderr
     assert "Failure attempting to register context provider" not in done.stderr, done.stderr
+
+
+# --- the spawner subclasses hold their backend only ---------------------------------------------------------
+
+#: What both spawners do, and the one place it is written (spawner/mixin.py).
+SHARED = {
+    'env["GPUPOOL_TEAM"] = choice.team': "the choice's GPUPOOL_* environment (GPUPoolSpawnerMixin.get_env)",
+    'state["choice"]': "the choice across hub restarts (GPUPoolSpawnerMixin.get_state / load_state)",
+    "_apply_choice(self, self.user_options)": "the check when apply_user_options was skipped (ensure_choice)",
+    "base + (self.policy.queue_timeout": "the start timeout widened by the queue's (queued_start_timeout)",
+}
+
+
+@pytest.mark.parametrize("subclass", ["local", "kube"])
+def test_what_both_spawners_do_is_written_once_in_the_mixin(subclass):
+    source = (ROOT / "spawner" / f"{subclass}.py").read_text()
+    mixin = (ROOT / "spawner" / "mixin.py").read_text()
+    again = {what: where for what, where in SHARED.items() if what in source}
+    assert again == {}, f"spawner/{subclass}.py repeats what the mixin does: {again}"
+    assert all(what in mixin for what in SHARED)
+
+
+# --- unit and end-to-end tests apart -------------------------------------------------------------------------
+
+
+def test_every_test_module_that_starts_a_hub_is_marked_end_to_end(pytestconfig):
+    conftest = next(plugin for plugin in pytestconfig.pluginmanager.get_plugins()
+                    if getattr(plugin, "__file__", "") == str(ROOT / "tests" / "conftest.py"))
+    E2E_MODULES = conftest.E2E_MODULES  # noqa: N806 - the constant, as conftest names it
+
+    starts_a_hub = {path.stem for path in (ROOT / "tests").rglob("test_*.py")
+                    if re.search(r"^from gpupool\.hub\.harness import", path.read_text(), re.M)}
+    assert starts_a_hub and starts_a_hub <= E2E_MODULES, sorted(starts_a_hub - E2E_MODULES)
+    assert E2E_MODULES <= {path.stem for path in (ROOT / "tests").rglob("test_*.py")}  # no stale names
