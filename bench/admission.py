@@ -7,11 +7,12 @@ In one run, over a ledger holding HISTORY finished intervals of this month (so t
 costs what it costs on a platform in use):
 
 - **pure**: `admission.decide()` with the holdings and usage in memory, one thread (the baseline);
-- **Ledger.admit**: the decision and the interval it opens, in one transaction under the team's admission lock
-  (the path that admission is moving to, #13), from 1, 10 and 50 concurrent requester threads of one team (the
-  lock's worst case: they all queue on it); each admitted interval is closed again by its requester;
-- **queue pass**: one pass of the embedded queue (`LocalPool.schedule`) over 1, 10 and 50 waiting requests,
-  through the spawner's ledger adapter (`spawner.local.admission`), which reads the usage once per pass.
+- **Ledger.admit**: the one door, the decision and the holding it records (`reserved`) in one transaction under
+  the team's admission lock, from 1, 10 and 50 concurrent requester threads of one team (the lock's worst case:
+  they all queue on it); each admitted holding is closed again by its requester;
+- **queue pass**: one pass of the embedded queue (`LocalPool.schedule`) over 1, 10 and 50 waiting requests, wired
+  as the hub wires it (`spawner.local`: the ledger's holdings, the pure decision with the usage read once per
+  pass, placements through the door).
 
 Prints decisions per second and each one's ratio to the pure baseline (how many times slower). Timings vary
 with the machine; the ratios are the figures to compare.
@@ -33,7 +34,7 @@ from gpupool.hub.accounting.admission import AdmissionRequest, Holdings, decide
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.policies import defaults
 from gpupool.policies.model import Policy
-from gpupool.spawner.local import admission
+from gpupool.spawner.local import admission, door
 from gpupool.spawner.pool import AllocationStore, Card, LocalPool, Request
 
 REQUESTERS = (1, 10, 50)
@@ -108,7 +109,8 @@ def admit_rate(policy: Policy, ledger: Ledger, requesters: int, per_requester: i
 def pass_rate(policy: Policy, ledger: Ledger, waiting: int, passes: int, folder: str) -> float:
     """Decisions per second of queue passes over `waiting` requests (team "queued" is full: all wait)."""
     store = AllocationStore(f"{folder}/allocations-{waiting}.sqlite")
-    pool = LocalPool([Card("GPU-0", "H200", 0, 141)], store, admission(lambda: policy, ledger, logging.getLogger()))
+    pool = LocalPool([Card("GPU-0", "H200", 0, 141)], store, admission(lambda: policy, ledger),
+                     holdings=ledger.holdings, hold=door(lambda: policy, ledger, logging.getLogger()))
 
     def request(n: int) -> Request:
         return Request(f"q{n}/", f"q{n}", "queued", PROFILE, "0.25 × H200", "H200", Fraction(1, 4))
@@ -126,6 +128,7 @@ def pass_rate(policy: Policy, ledger: Ledger, waiting: int, passes: int, folder:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         pool.release("q0/")
+        ledger.close_run("q0/", periods.utcnow(), "stopped")
         return waiting * passes / elapsed
 
     return asyncio.run(run())
@@ -146,10 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = [("pure decide(), in memory (baseline)", 1, pure)]
     for requesters in REQUESTERS:
         per = max(1, args.admits // requesters)
-        rows.append(("Ledger.admit (decide + open, locked)", requesters, admit_rate(policy, ledger, requesters, per)))
+        rows.append(("Ledger.admit (decide + hold, locked)", requesters, admit_rate(policy, ledger, requesters, per)))
     for waiting in REQUESTERS:
         passes = max(3, 600 // waiting)
-        rows.append(("queue pass via the ledger adapter", waiting, pass_rate(policy, ledger, waiting, passes,
+        rows.append(("queue pass (ledger holdings, door)", waiting, pass_rate(policy, ledger, waiting, passes,
                                                                              folder.name)))
     print(f"ledger: {ledger.dialect}, {args.history:,} finished intervals this month")
     print(f"{'path':<40} {'concurrent':>10} {'decisions/s':>12} {'x slower':>9}")

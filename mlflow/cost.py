@@ -51,7 +51,7 @@ def run_cost(policy: Policy, intervals: Iterable[Interval], start: datetime, end
     start, end = _ledger_second(start), _ledger_second(end)
     per_model: dict[str, Fraction] = {}
     for interval in intervals:
-        if profile is not None and interval.profile != profile:
+        if (profile is not None and interval.profile != profile) or interval.is_reserved:
             continue
         lo = max(interval.start, start)
         hi = min(interval.end or end, end)

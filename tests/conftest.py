@@ -43,10 +43,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 #: `e2e`; all others are unit tests, in-process and quick: `make test-unit` runs those alone, `make test-e2e` the
 #: rest. (tests/test_layers.py checks that every module starting a hub is listed here.)
 E2E_MODULES = frozenset({
-    "test_accounting_restart", "test_accounting_service", "test_cli_team", "test_concurrent_spawns", "test_datasets",
-    "test_embedded", "test_gpu", "test_helm", "test_identity_hub", "test_journey", "test_lifecycle",
-    "test_mlflow_service", "test_named_servers", "test_queue_restart", "test_server_env", "test_spawner_contract",
-    "test_system_users", "test_team_terminals",
+    "test_accounting_restart", "test_accounting_service", "test_cli_team", "test_concurrent_spawns",
+    "test_datasets", "test_embedded", "test_gpu", "test_helm", "test_identity_hub", "test_journey",
+    "test_jupyterhub_contract", "test_lifecycle", "test_mlflow_service", "test_named_servers", "test_queue_restart",
+    "test_server_env", "test_spawner_contract", "test_system_users", "test_team_terminals",
 })
 #: Fixtures that start a real server for the test.
 E2E_FIXTURES = frozenset({"postgres_server", "s3_server"})

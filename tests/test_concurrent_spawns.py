@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from fractions import Fraction
 
 import psutil
 import pytest
 
+from gpupool.hub.accounting.ledger import Ledger, State
 from gpupool.hub.harness import Hub
 
 POLICY = {
@@ -67,3 +69,56 @@ def test_thirty_concurrent_spawns_against_one_gpu_admit_exactly_four(hub):
         message = events[-1]["message"]
         assert '(team "crowd" holds' in message and "(quota)" in message, message
     assert len(hub.allocations()) == 4, "a waiting request was admitted beyond the quota"
+
+
+TWO_CARDS = {
+    **POLICY,
+    "teams.yaml": "teams:\n  crowd: {priority: 100}\n",
+}
+
+
+@pytest.mark.parametrize("database_url", ["sqlite", pytest.param("postgresql", marks=pytest.mark.postgresql)],
+                         indirect=True)
+def test_twelve_spawns_on_two_cards_go_through_the_ledgers_door(tmp_path, database_url):
+    """Twelve quarter spawns at once on two H200: eight placed, each held in the ledger through `Ledger.admit`
+    (`reserved`, then `running` once its server runs), four waiting for a card; on SQLite and PostgreSQL."""
+    users = USERS[:12]
+    hub = Hub(tmp_path, TWO_CARDS, 'c.LocalGPUSpawner.run_as = "self"', ledger_url=database_url, mlflow=False)
+    hub.start()
+    try:
+        for user in users:
+            hub.add_user(user, "crowd")
+        with ThreadPoolExecutor(len(users)) as pool:
+            statuses = list(pool.map(
+                lambda user: hub.api("POST", f"/users/{user}/server", json={"profile": "h200-quarter"}).status_code,
+                users))
+        assert set(statuses) <= {201, 202}, statuses
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and len(hub.allocations()) < 8:
+            time.sleep(0.5)
+        allocated = hub.allocations()
+        assert len(allocated) == 8, sorted(allocated)
+        waiting = [u for u in users if f"{u}/" not in allocated]
+        for user in waiting:
+            events = hub.progress_until(user, lambda e: "position" in e.get("message", ""), timeout=300)
+            assert events[-1]["reason"] == "no-capacity", events[-1]
+        placed = sorted(key.removesuffix("/") for key in allocated)
+        for user in placed:
+            hub.wait_ready(user, timeout=300)
+        ledger = Ledger(database_url, migrate=False)
+        try:
+            held = ledger.open_intervals("crowd")
+            # The one record of what is held: one running holding per placed server, none for those waiting.
+            assert sorted(i.user for i in held) == placed
+            assert {i.state for i in held} == {State.RUNNING}
+            assert all(i.run and i.share == Fraction(1, 4) for i in held)
+        finally:
+            ledger.dispose()
+        assert len(hub.allocations()) == 8, "a waiting request was placed beyond the cards"
+    finally:
+        for user in users:
+            hub.api("DELETE", f"/users/{user}/server")
+        hub.stop()
+        for process in psutil.process_iter(["cmdline"]):  # no server outlives the test
+            if str(hub.state) in " ".join(process.info["cmdline"] or []):
+                process.kill()

@@ -12,6 +12,7 @@ from fractions import Fraction as F
 import pytest
 
 from gpupool.hub import replay as R
+from gpupool.hub.accounting.ledger import Ledger
 from gpupool.policies import PolicyError, load_policy
 from gpupool.policies.model import Policy
 from gpupool.spawner import local
@@ -124,13 +125,15 @@ def test_the_embedded_pool_places_as_the_setting_says_and_the_replay_agrees(tmp_
     asked = [("u/a", "0.4"), ("u/b", "0.25"), ("u/c", "0.25")]
 
     async def live() -> list[str]:
-        pool = local.get_pool(str(tmp_path), lambda: policy, None, logging.getLogger("test"))
+        ledger = Ledger(f"sqlite:///{tmp_path / 'ledger.sqlite'}")
+        pool = local.get_pool(str(tmp_path), lambda: policy, ledger, logging.getLogger("test"))
         try:
             assert pool.placement("H200") == placement_for(policy, "H200")
-            pool.decide = admit_all  # admission is not what this test is about
+            pool.decide, pool.hold = admit_all, None  # admission is not what this test is about
             return [(await pool.acquire(request(key, share), timeout=5)).cards[0] for key, share in asked]
         finally:
             local._pools.pop(str(tmp_path), None)
+            ledger.dispose()
 
     assert asyncio.run(live()) == cards
     # a 0.4 leaves 0.6 on c0; b on c0 would leave 0.35, which no half fits: fragmentation-aware puts it on

@@ -93,9 +93,9 @@ def running_servers(ledger: Ledger, policy: Policy, user: str, now: datetime | N
     now = now or periods.utcnow()
     running = []
     for interval in ledger.open_intervals():
-        if interval.user != user:
+        if interval.user != user or interval.is_reserved:  # admitted, not running yet: nothing to show or bill
             continue
-        pieces = ledger.run_intervals(interval.run) if interval.run else [interval]
+        pieces = [p for p in (ledger.run_intervals(interval.run) if interval.run else [interval]) if not p.is_reserved]
         seconds = sum(int(((p.end or max(now, p.start)) - p.start).total_seconds()) for p in pieces)
         hours = periods.gpu_hours(interval.share, seconds)
         price = Fraction(unit_price(policy, interval.model)) if interval.model in policy.billing.prices else Fraction(0)

@@ -13,6 +13,7 @@ from fractions import Fraction
 import pytest
 
 from gpupool.hub.accounting import periods
+from gpupool.hub.accounting.admission import AdmissionRequest
 from gpupool.hub.accounting.ledger import INTERVALS, CloseResult, HowEnded, Ledger, RunResult, _interval, run_key
 from gpupool.hub.accounting.reports import running_servers
 from gpupool.hub.accounting.servers import HubServer, reconcile, servers_of, user_groups
@@ -201,3 +202,34 @@ def test_a_continued_run_is_one_running_server_for_its_user(ledger, policy):
     assert running["key"] == alice.run and running["since"] == t(2026, 11, 3, 10).isoformat()
     assert running["gpu_hours"] == "0.75"  # 3 h × 0.25, across both intervals
     assert running["cost"] == "2.40"  # × 3.20 EUR, rounded half up like the bills
+
+
+# --- holdings reserved at admission -------------------------------------------------------------------------
+
+
+def admitted(ledger: Ledger, policy, user: str, at: datetime) -> str:
+    run = run_key(user, "", at)
+    result = ledger.admit(policy, AdmissionRequest(user=user, team="vision", at=at, profile="h200-quarter"), run)
+    assert result.opened and ledger.interval(run).is_reserved
+    return run
+
+
+def test_a_reserved_holding_is_no_running_server_and_costs_nothing_until_it_runs(ledger, policy):
+    run = admitted(ledger, policy, "alice", t(2026, 11, 3, 10))
+    assert running_servers(ledger, policy, "alice", now=t(2026, 11, 3, 11)) == []
+    assert ledger.intervals_overlapping(t(2026, 11, 3), t(2026, 11, 4), user="alice", team="vision") == []
+    assert ledger.gpu_hours("2026-11", ("user",), now=t(2026, 11, 3, 11)) == {}
+    assert ledger.holdings().team_user == {("vision", "alice"): Q}  # yet held against the quotas
+    # Its pod runs from 11:00 (an hour in Volcano's queue): shown and billed from then on, not from admission.
+    assert ledger.keep_run(run, *FACTS, t(2026, 11, 3, 11), t(2026, 11, 3, 11)) is RunResult.OPENED
+    (running,) = running_servers(ledger, policy, "alice", now=t(2026, 11, 3, 13))
+    assert running["since"] == t(2026, 11, 3, 11).isoformat() and running["gpu_hours"] == "0.5"
+
+
+def test_a_reserved_holding_nobody_saw_is_reconciled_and_runs_from_when_it_did(ledger, policy):
+    run = admitted(ledger, policy, "alice", t(2026, 11, 3, 10))
+    ledger.reconcile(timedelta(minutes=5), now=t(2026, 11, 3, 12))  # not seen while it waited: closed unbilled
+    assert ledger.open_intervals() == [] and ledger.gpu_hours("2026-11", ("user",), now=t(2026, 11, 3, 12)) == {}
+    # The hub's REST API then shows it running (started at 10:00): it runs from 12:30, not from its closed holding
+    assert ledger.keep_run(run, *FACTS, t(2026, 11, 3, 12, 30), t(2026, 11, 3, 12, 30)) is RunResult.CONTINUED
+    assert ledger.gpu_hours("2026-11", ("user",), now=t(2026, 11, 3, 13, 30)) == {("alice",): Q}
