@@ -113,7 +113,9 @@ def pass_rate(policy: Policy, ledger: Ledger, waiting: int, passes: int, folder:
                      holdings=ledger.holdings, hold=door(lambda: policy, ledger, logging.getLogger()))
 
     def request(n: int) -> Request:
-        return Request(f"q{n}/", f"q{n}", "queued", PROFILE, "0.25 × H200", "H200", Fraction(1, 4))
+        # holding: the ledger key, one per start (the spawner's run key), so each run of this bench its own
+        return Request(f"q{n}/", f"q{n}", "queued", PROFILE, "0.25 × H200", "H200", Fraction(1, 4),
+                       holding=f"q{n}/@bench-{waiting}")
 
     async def run() -> float:
         await pool.acquire(request(0))  # holds the team's whole quota
@@ -128,7 +130,7 @@ def pass_rate(policy: Policy, ledger: Ledger, waiting: int, passes: int, folder:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         pool.release("q0/")
-        ledger.close_run("q0/", periods.utcnow(), "stopped")
+        ledger.close_run(f"q0/@bench-{waiting}", periods.utcnow(), "stopped")
         return waiting * passes / elapsed
 
     return asyncio.run(run())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,7 +30,10 @@ billing: {prices: {H200: '3.20'}}
 """,
 }
 SELF = 'c.LocalGPUSpawner.run_as = "self"\n'
-SIMPLE = 'c.JupyterHub.spawner_class = "simple"\nc.Spawner.args = ["--allow-root"]\n'
+# The stock spawner runs `jupyterhub-singleuser` from PATH: name the one beside this Python, so that the bench runs
+# the same without an activated virtual environment.
+SIMPLE = ('c.JupyterHub.spawner_class = "simple"\nc.Spawner.args = ["--allow-root"]\n'
+          f'c.Spawner.cmd = [{str(Path(sys.executable).parent / "jupyterhub-singleuser")!r}]\n')
 
 
 def time_spawn(hub: Hub, user: str, options: dict) -> float:

@@ -33,10 +33,15 @@ def hub(tmp_path_factory):
     hub = Hub(tmp_path_factory.mktemp("crowd"), POLICY, 'c.LocalGPUSpawner.run_as = "self"', mlflow=False)
     hub.start()
     yield hub
-    for user in USERS:
+    stop(hub, USERS)
+
+
+def stop(hub: Hub, users: list[str]) -> None:
+    """Stop the users' servers and the hub; no server outlives the test."""
+    for user in users:
         hub.api("DELETE", f"/users/{user}/server")
     hub.stop()
-    for process in psutil.process_iter(["cmdline"]):  # no server outlives the test
+    for process in psutil.process_iter(["cmdline"]):
         if str(hub.state) in " ".join(process.info["cmdline"] or []):
             process.kill()
 
@@ -116,9 +121,4 @@ def test_twelve_spawns_on_two_cards_go_through_the_ledgers_door(tmp_path, databa
             ledger.dispose()
         assert len(hub.allocations()) == 8, "a waiting request was placed beyond the cards"
     finally:
-        for user in users:
-            hub.api("DELETE", f"/users/{user}/server")
-        hub.stop()
-        for process in psutil.process_iter(["cmdline"]):  # no server outlives the test
-            if str(hub.state) in " ".join(process.info["cmdline"] or []):
-                process.kill()
+        stop(hub, users)
