@@ -591,7 +591,8 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
             return url
         finally:
             if not running:  # refused, timed out, stopped or failed before the pod ran: its holding ends unbilled
-                self.close_usage(HowEnded.FAILED)
+                # (stopped by its user: as `stop()` itself would book it, whichever of the two gets there first)
+                self.close_usage(HowEnded.STOPPED if self._gpupool_stopping else HowEnded.FAILED)
             for task in (start, watch):
                 if task is not None and not task.done():
                     task.cancel()
