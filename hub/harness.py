@@ -235,7 +235,11 @@ class Hub:
         return events
 
     def run_in_kernel(self, name: str, code: str) -> str:
-        """Run `code` in a new kernel of `name`'s server and return what it printed."""
+        """Run `code` in a new kernel of `name`'s server and return what it printed on stdout.
+
+        Its stderr (warnings, logs) is left out: the kernel flushes the two streams apart, in no fixed order, so a
+        warning could otherwise land after the last line a test reads. It is in the error when the code raises.
+        """
         base = f"{self.url}/user/{name}/api"
         kernel = self.session.post(f"{base}/kernels", json={"name": "python3"}, timeout=60)
         assert kernel.status_code == 201, kernel.text
@@ -252,20 +256,20 @@ class Hub:
             "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
                         "allow_stdin": False},
         }))
-        output = []
+        output: dict[str, list[str]] = {"stdout": [], "stderr": []}
         while True:
             msg = json.loads(ws.recv())
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
             if msg["msg_type"] == "stream":
-                output.append(msg["content"]["text"])
+                output.setdefault(msg["content"]["name"], []).append(msg["content"]["text"])
             elif msg["msg_type"] == "error":
-                raise AssertionError("\n".join(msg["content"]["traceback"]))
+                raise AssertionError("\n".join([*msg["content"]["traceback"], "stderr:", *output["stderr"]]))
             elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                 break
         ws.close()
         self.session.delete(f"{base}/kernels/{kernel_id}", timeout=30)
-        return "".join(output)
+        return "".join(output["stdout"])
 
     def stop_server(self, name: str, timeout: float = 30, server: str = "") -> None:
         reply = self.api("DELETE", self.server_path(name, server))
