@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -50,19 +51,32 @@ c.Spawner.http_timeout = 240
 """
 
 
+def _ephemeral_ports() -> range:
+    """The ports the kernel gives outgoing connections (and `bind(0)`): never hand these to a server to bind later."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    return range(low, high + 1)
+
+
 def free_port_block(n: int = 3) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
+    """The first of `n` consecutive free ports for a hub and its services, outside the ephemeral range.
+
+    The services bind their ports seconds after this returns; a port from the ephemeral range could meanwhile be
+    taken by any outgoing connection of the machine (the tests', the hub's, PostgreSQL clients'), which made a
+    hub's service fail with "address already in use". Ports below the range are only ever taken by a bind.
+    """
+    ephemeral = _ephemeral_ports()
+    candidates = [base for base in range(10000, 65536 - n, n)
+                  if not any(port in ephemeral for port in (base, base + n - 1))]
+    for base in random.sample(candidates, min(200, len(candidates))):
+        sockets = []
         try:
-            sockets = []
             for port in range(base, base + n):
                 sock = socket.socket()
-                sock.bind(("127.0.0.1", port))
                 sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
             return base
         except OSError:
             continue
