@@ -125,6 +125,7 @@ def pass_rate(policy: Policy, ledger: Ledger, waiting: int, passes: int, folder:
         began = time.perf_counter()
         for _ in range(passes):
             pool.schedule()
+            await pool.settled()  # the pass runs in a worker thread; its outcomes applied on the loop
         elapsed = time.perf_counter() - began
         for task in tasks:
             task.cancel()

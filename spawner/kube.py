@@ -20,7 +20,7 @@ from typing import Any
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting import notify
 from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest, Decision, Reason
-from gpupool.hub.accounting.ledger import HowEnded, run_key
+from gpupool.hub.accounting.ledger import HowEnded
 from gpupool.policies.choice import Choice
 from gpupool.policies.model import Policy, parse_quantity
 from gpupool.policies.resources import GPUResources, profile_gpu, profile_share
@@ -532,10 +532,7 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         began = loop.time()
         queue_timeout = self.policy.queue_timeout(choice.team)
         ledger = self.ledger
-        run = run_key(self.user.name, self.name, self.run_started())
-        # Known before it is asked for: were the spawn cancelled while the thread admits it, `_start` still ends
-        # the holding (closing one that was never admitted changes nothing).
-        self.usage_run, self.usage_running = (run if choice.profile.gpu is not None else None), False
+        run = self.new_usage_run(holds_gpu=choice.profile.gpu is not None)
         while True:
             policy = self.policy
             request = AdmissionRequest(user=self.user.name, team=choice.team, at=periods.utcnow(), profile=choice.slug)

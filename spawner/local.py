@@ -26,7 +26,7 @@ from traitlets import Unicode, default
 
 from gpupool.hub.accounting import notify, periods
 from gpupool.hub.accounting.admission import AdmissionRequest, Holdings, decide
-from gpupool.hub.accounting.ledger import HowEnded, Ledger, run_key
+from gpupool.hub.accounting.ledger import HowEnded, Ledger
 from gpupool.policies import defaults
 from gpupool.policies.choice import Choice
 from gpupool.policies.identity import unix_group, unix_user
@@ -77,7 +77,7 @@ def door(policy_of: Callable[[], Policy], ledger: Ledger, log) -> Hold:
 
     def hold(request: Request) -> Verdict:
         asked = AdmissionRequest(user=request.user, team=request.team, at=periods.utcnow(), profile=request.profile)
-        return _verdict(notify.admit(policy_of(), ledger, asked, request.holding or request.key, log).decision)
+        return _verdict(notify.admit(policy_of(), ledger, asked, request.holding, log).decision)
 
     return hold
 
@@ -122,7 +122,8 @@ def get_pool(state_dir: str, policy_of: Callable[[], Policy], ledger: Ledger, lo
         # cards are taken.
         pool = LocalPool(cards, AllocationStore(Path(state_dir) / "allocations.sqlite"), admission(policy_of, ledger),
                          lambda model: placement_for(policy_of(), model), holdings=ledger.holdings,
-                         hold=door(policy_of, ledger, log))
+                         hold=door(policy_of, ledger, log),
+                         unhold=lambda request: ledger.close_run(request.holding, periods.utcnow(), HowEnded.FAILED))
         pool.devices_are_real = source == "nvml"
         _pools[state_dir] = pool
         # Exit records nobody read (servers the hub stopped itself) are only clutter after a day.
@@ -578,13 +579,12 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         if choice.profile.gpu is not None:
             # The run's holding in the ledger, `reserved` once the pool places it and `running` once the server
             # runs (`open_usage`); ended unbilled if it never does (`_free`, or a cancel just as it was placed).
-            self.usage_run = run_key(self.user.name, self.name, self.run_started()) if self.ledger_url else None
-            self.usage_running = False
+            run = self.new_usage_run(holds_gpu=True)
             request = Request(
                 key=self.pool_key, user=self.user.name, team=choice.team, profile=choice.slug,
                 display_name=choice.profile.display_name, model=choice.profile.gpu.model,
                 share=profile_share(choice.profile, self.policy),
-                priority=self.policy.teams[choice.team].priority, holding=self.usage_run or "",
+                priority=self.policy.teams[choice.team].priority, holding=run,
             )
             queued = periods.utcnow()
             try:
@@ -630,7 +630,7 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
                 break
             ticket.changed.clear()
             message = ticket.message()
-            if message != shown:  # a position or reason that did not change is not news
+            if ticket.news and message != shown:  # a position or reason that did not change is not news
                 shown = message
                 # `reason`: the wait's code (admission.Reason), for scripts reading the progress stream
                 yield {"progress": 10, "message": message, **({"reason": str(ticket.code)} if ticket.code else {})}

@@ -29,6 +29,8 @@ from gpupool.spawner.metrics import QUEUE_LENGTH, QUEUE_WAIT, count_decision
 from gpupool.spawner.placement import Placement, choose_cards
 
 log = logging.getLogger("gpupool.pool")
+#: Seconds between tries of a pass of the queue that failed (the ledger unreachable).
+PASS_RETRY_S = 1.0
 BEST_FIT = Placement("best-fit")
 
 
@@ -372,7 +374,8 @@ class Request:
     model: str
     share: Fraction
     priority: int = 0
-    #: The ledger key its holding is recorded under once admitted (a server's run key); "" for the request's key.
+    #: The ledger key the door holds its share under once admitted, new for every start (a server's run key);
+    #: required when the pool has a door, "" when it has none.
     holding: str = ""
 
 
@@ -429,8 +432,13 @@ class Ticket:
 
     def message(self) -> str:
         r = self.request
-        return (f'Waiting for {r.display_name}: position {self.position} of {self.of} in queue "{r.team}"'
-                + (f" ({self.reason})" if self.reason else ""))
+        where = f"position {self.position} of {self.of} in " if self.of else "in "  # 0: no pass has looked at it
+        return f'Waiting for {r.display_name}: {where}queue "{r.team}"' + (f" ({self.reason})" if self.reason else "")
+
+    @property
+    def news(self) -> bool:
+        """Whether there is anything to tell its user: a pass gave it a place in the queue, or a reason."""
+        return bool(self.of or self.reason)
 
 
 class LocalPool:
@@ -438,15 +446,21 @@ class LocalPool:
 
     def __init__(self, cards: list[Card], store: AllocationStore, decide: Decide = admit_all,
                  placement: Callable[[str], Placement] = lambda model: BEST_FIT, *,
-                 holdings: Callable[[], Holdings] | None = None, hold: Hold | None = None):
+                 holdings: Callable[[], Holdings] | None = None, hold: Hold | None = None,
+                 unhold: Callable[[Request], None] | None = None):
         """`decide` orders and explains the queue against `holdings()` (what is held against the quotas: the
         ledger's holdings in a hub; the store's allocations by default); `hold`, when given, is the door each
-        placement goes through: a refusal there gives the cards back and the request waits (or is denied)."""
+        placement goes through: a refusal there gives the cards back and the request waits (or is denied).
+        `unhold` ends, unbilled, the holding the door made for a request that left the queue while the pass
+        placing it ran."""
         self.cards = cards
         self.store = store
         self.decide = decide
         self.holdings = holdings or (lambda: Holdings.of(self.store.all()))
         self.hold = hold
+        self.unhold = unhold
+        self._wanted = False  # a pass of the queue was asked for since the last one began
+        self._passes: asyncio.Task | None = None  # the task running passes, one at a time
         self.placement = placement  # per model, read at each placement (policies reload)
         self.waiting: dict[str, Ticket] = {}
         self.devices_are_real = False  # True when the cards came from NVML
@@ -479,6 +493,8 @@ class LocalPool:
             )
         if request.key in self.waiting:
             raise ValueError(f"{request.key} is already waiting")
+        if self.hold is not None and not request.holding:
+            raise ValueError(f"{request.key} has no holding key: the door holds its share under one, new per start")
         # A new spawn of the same server: whatever that server held before is no longer in use.
         if self.store.release(request.key):
             log.warning("%s held an allocation from an earlier start; freed it", request.key)
@@ -506,8 +522,8 @@ class LocalPool:
                 f'"{request.team}" (the queue timeout of the policy); {ticket.reason or "the pool stayed full"}'
             ) from None
         except asyncio.CancelledError:
-            if placed():  # cancelled just as it was placed: give the share back
-                self.store.release(request.key)
+            if placed():  # cancelled just as it was placed: give the share (and the door's holding) back
+                self._give_back([request])
             else:
                 left = False  # its user's cancel is `forget`; a hub going down keeps it for the restart
             raise
@@ -538,16 +554,53 @@ class LocalPool:
         return self.waiting.get(key)
 
     def schedule(self) -> None:
-        """Admit and place what can start, in order of priority then arrival; update everyone's position."""
-        pending = [t for t in self.waiting.values() if not t.future.done()]
+        """Ask for a pass of the queue: admit and place what can start, in order of priority then arrival.
+
+        It returns at once. Passes run one at a time in a task of the event loop; each reads and writes the
+        allocation store and the ledger (holdings, the door) in a worker thread, so the hub's event loop never
+        waits on SQL, and applies what it decided to the tickets back on the loop. Asked again while one runs,
+        one more pass follows it. `settled()` waits for them.
+        """
+        self._wanted = True
+        self._count_queue_lengths()
         try:
-            if pending:
-                self._schedule(pending)
-        finally:
-            waiting = [t.request.team for t in self.waiting.values() if not t.future.done()]
-            self._queued_teams.update(waiting)
-            for team in self._queued_teams:
-                QUEUE_LENGTH.labels(team).set(waiting.count(team))
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (a script giving a share back): nothing of this process waits
+            return
+        if self._passes is None or self._passes.done() or self._passes.get_loop() is not loop:
+            self._passes = loop.create_task(self._run_passes())
+
+    async def settled(self) -> None:
+        """Wait until the passes asked for so far have run and their outcomes are applied."""
+        while self._passes is not None and not self._passes.done():
+            await asyncio.shield(self._passes)
+
+    async def _run_passes(self) -> None:
+        failing = False
+        while self._wanted:
+            self._wanted = False
+            pending = [t for t in self.waiting.values() if not t.future.done()]
+            try:
+                if pending:
+                    await self._pass(pending)
+                failing = False
+            except Exception as error:  # the ledger or the store unreachable: the queue waits, saying why
+                if not failing:
+                    log.exception("a pass of the queue failed; trying again every %s s", PASS_RETRY_S)
+                failing = True
+                for ticket in pending:
+                    if not ticket.future.done():
+                        ticket.reason = f"the queue cannot be decided now ({type(error).__name__}); retrying"
+                        ticket.changed.set()
+                await asyncio.sleep(PASS_RETRY_S)
+                self._wanted = True
+            self._count_queue_lengths()
+
+    def _count_queue_lengths(self) -> None:
+        waiting = [t.request.team for t in self.waiting.values() if not t.future.done()]
+        self._queued_teams.update(waiting)
+        for team in self._queued_teams:
+            QUEUE_LENGTH.labels(team).set(waiting.count(team))
 
     def _place(self, request: Request) -> Allocation | Verdict | None:
         """Cards for `request` (None: none free), through the door when there is one (its refusal, if it refuses)."""
@@ -556,13 +609,21 @@ class LocalPool:
             return allocation
         try:
             verdict = self.hold(request)
-        except BaseException:
+        except Exception:
             self.store.release(request.key)
             raise
         if verdict.action != "admit":  # another process took the last of the quota, or the budget ran out
             self.store.release(request.key)
             return verdict
         return allocation
+
+    def _give_back(self, requests: list[Request]) -> None:
+        """Requests placed by a pass after they left the queue (timed out, cancelled): their cards and holdings."""
+        for request in requests:
+            self.store.release(request.key)
+            if self.hold is not None and self.unhold is not None:
+                self.unhold(request)
+            log.info("%s left the queue while it was being placed; its share is given back", request.key)
 
     @staticmethod
     def _waits(ticket: Ticket, code: Reason) -> None:
@@ -571,7 +632,7 @@ class LocalPool:
             ticket.code = code
             count_decision(code)
 
-    def _schedule(self, pending: list[Ticket]) -> None:
+    async def _pass(self, pending: list[Ticket]) -> None:
         # Requests queued before the hub restarted, and not yet back, come first: later ones wait for them.
         first_restoring = min((q.seq for q in self.restoring.values()), default=None)
         held_back = [t for t in pending if first_restoring is not None and t.seq > first_restoring]
@@ -579,12 +640,17 @@ class LocalPool:
             ticket.reason = "requests queued before the hub restarted come first"
             self._waits(ticket, Reason.RESTART_ORDER)
         pending = [t for t in pending if t not in held_back]
-        by_key = {t.request.key: t for t in pending}
-        outcomes, still_keys = admit_in_order(
-            [(t.request, t.seq) for t in pending], self.holdings(), self.decide, self._place, self.capacity,
-        )
+        by_key = {t.request.key: t for t in pending}  # the tickets themselves: one that leaves meanwhile is not found
+        asked = [(t.request, t.seq) for t in pending]
+        outcomes, still_keys = await asyncio.to_thread(
+            lambda: admit_in_order(asked, self.holdings(), self.decide, self._place, self.capacity))
+        left: list[Request] = []
         for outcome in outcomes:
             ticket = by_key[outcome.key]
+            if ticket.future.done():  # it left the queue (timed out, cancelled) while this pass ran
+                if outcome.action == "place":
+                    left.append(ticket.request)
+                continue
             if outcome.action == "deny":
                 count_decision(outcome.code)
                 ticket.future.set_exception(Denied(outcome.reason, outcome.code))
@@ -595,7 +661,10 @@ class LocalPool:
                 count_decision(outcome.code)
                 QUEUE_WAIT.labels(ticket.request.team).observe(time.monotonic() - ticket.arrived)
                 ticket.future.set_result(outcome.allocation)
-        still = [by_key[key] for key in still_keys] + held_back
+        if left:
+            await asyncio.to_thread(self._give_back, left)
+            self._wanted = True  # what they would have held is free again
+        still = [t for t in (by_key[key] for key in still_keys) if not t.future.done()] + held_back
         queue_lengths = Counter(t.request.team for t in still)
         positions: Counter[str] = Counter()
         for ticket in still:

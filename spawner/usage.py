@@ -83,6 +83,17 @@ class UsageLedgerMixin(LoggingConfigurable):
         return (self.user.name, choice.team, choice.slug, choice.profile.gpu.model,
                 profile_share(choice.profile, self.policy))
 
+    def new_usage_run(self, holds_gpu: bool) -> str:
+        """This start's run key (`ledger.run_key`: new for every start), the key its holding is admitted under.
+
+        Known before admission is asked for, and `usage_run` from then on when the start holds a GPU share: were
+        the spawn cancelled while the door admits it, `close_usage` still ends the holding (closing one that was
+        never admitted changes nothing).
+        """
+        run = run_key(self.user.name, self.name, self.run_started())
+        self.usage_run, self.usage_running = (run if holds_gpu and self.ledger_url else None), False
+        return run
+
     def open_usage(self, queue_wait: timedelta | None = None) -> None:
         """The server holds its share from now on; `queue_wait`: how long its request waited in the queue."""
         facts = self._usage_facts()

@@ -53,7 +53,8 @@ settings: {{alert_webhook: "http://127.0.0.1:{server.server_port}/hook"}}
         # Through the door, as the pool places each: both admissions find 80% passed; the alert is sent once.
         hold = door(lambda: policy, ledger, logging.getLogger("test"))
         for user in ("bob", "carol"):
-            assert hold(Request(f"{user}/", user, "vision", "q", "q", "H200", Fraction(1, 4))).action == "admit"
+            assert hold(Request(f"{user}/", user, "vision", "q", "q", "H200", Fraction(1, 4),
+                                holding=f"{user}/@1")).action == "admit"
         assert {i.user: i.state for i in ledger.open_intervals()} == {"bob": "reserved", "carol": "reserved"}
         # Ordering the queue decides without writing or alerting.
         decide = admission(lambda: policy, ledger)
@@ -86,15 +87,17 @@ billing: {prices: {H200: '1'}}
                      hold=door(lambda: policy, ledger, logging.getLogger("test")))
 
     def request(n: int) -> Request:
-        return Request(f"user{n}/", f"user{n}", "vision", "q", "q", "H200", Fraction(1, 4))
+        return Request(f"user{n}/", f"user{n}", "vision", "q", "q", "H200", Fraction(1, 4), holding=f"user{n}/@1")
 
     async def scenario():
         await pool.acquire(request(0))  # the team's quota is now full: everyone else waits
         waiting = [asyncio.create_task(pool.acquire(request(n))) for n in range(1, 51)]
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # they reach the queue
+        await pool.settled()
         assert {pool.ticket(f"user{n}/").code for n in range(1, 51)} == {Reason.QUOTA_FULL}
         del reads[:]
         pool.schedule()
+        await pool.settled()
         assert len(reads) == 1, f"one pass over 50 waiting requests read the usage {len(reads)} times"
         for task in waiting:
             task.cancel()

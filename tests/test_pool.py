@@ -6,6 +6,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -128,14 +129,21 @@ def run(coro):
     return asyncio.run(coro)
 
 
+async def settle(pool: LocalPool) -> None:
+    """The acquires just created reach the queue, and the passes of the queue asked for so far are applied.
+
+    Passes run in a worker thread; this waits for them, not for a clock, so it holds on a loaded machine."""
+    await asyncio.sleep(0)
+    await pool.settled()
+
+
 def test_twelve_quarter_requests_on_two_cards(store):
     async def scenario():
         pool = LocalPool(H200, store)
         tasks = [asyncio.create_task(pool.acquire(request(n))) for n in range(12)]
-        await asyncio.sleep(0.05)
-        done = [t for t in tasks if t.done()]
-        assert len(done) == 8
-        waiting = [pool.ticket(f"user{n}/") for n in range(12) if pool.ticket(f"user{n}/")]
+        await settle(pool)
+        waiting = [t for t in map(pool.ticket, (f"user{n}/" for n in range(12))) if t and not t.future.done()]
+        assert len(waiting) == 4, "8 quarters fit on two cards"
         assert sorted(t.position for t in waiting) == [1, 2, 3, 4]
         assert all(t.of == 4 for t in waiting)
         head = min(waiting, key=lambda t: t.position)
@@ -145,7 +153,7 @@ def test_twelve_quarter_requests_on_two_cards(store):
         freed_card = (await tasks[0]).cards[0]
         pool.release("user0/")
         await asyncio.sleep(0)
-        allocation = await asyncio.wait_for(tasks[8], 1)
+        allocation = await asyncio.wait_for(tasks[8], 30)
         assert allocation.key == "user8/" and allocation.cards == (freed_card,)
         assert sorted(pool.ticket(f"user{n}/").position for n in (9, 10, 11)) == [1, 2, 3]
         for t in tasks[9:]:
@@ -162,13 +170,14 @@ def test_cancel_frees_the_place_in_the_queue(store):
         holders = [await pool.acquire(request(n, Fraction(1))) for n in range(2)]
         first = asyncio.create_task(pool.acquire(request(10)))
         second = asyncio.create_task(pool.acquire(request(11)))
-        await asyncio.sleep(0.01)
+        await settle(pool)
         assert pool.ticket("user11/").position == 2
         first.cancel()
-        await asyncio.sleep(0.01)
+        await asyncio.gather(first, return_exceptions=True)
+        await pool.settled()
         assert pool.ticket("user11/").position == 1 and pool.ticket("user10/") is None
         pool.release(holders[0].key)
-        assert (await asyncio.wait_for(second, 1)).key == "user11/"
+        assert (await asyncio.wait_for(second, 30)).key == "user11/"
 
     run(scenario())
 
@@ -190,14 +199,14 @@ def test_priority_then_arrival(store):
         pool = LocalPool(H200, store)
         holders = [await pool.acquire(request(n, Fraction(1))) for n in range(2)]
         low = asyncio.create_task(pool.acquire(request(10, Fraction(1), team="nlp", priority=50)))
-        await asyncio.sleep(0.01)
+        await settle(pool)
         high = asyncio.create_task(pool.acquire(request(11, Fraction(1), team="vision", priority=100)))
-        await asyncio.sleep(0.01)
+        await settle(pool)
         pool.release(holders[0].key)
-        assert (await asyncio.wait_for(high, 1)).key == "user11/"
+        assert (await asyncio.wait_for(high, 30)).key == "user11/"
         assert not low.done()
         pool.release(holders[1].key)
-        assert (await asyncio.wait_for(low, 1)).key == "user10/"
+        assert (await asyncio.wait_for(low, 30)).key == "user10/"
 
     run(scenario())
 
@@ -208,13 +217,13 @@ def test_a_waiting_whole_card_is_not_overtaken_by_smaller_requests(store):
         await pool.acquire(request(0, Fraction(1)))
         await pool.acquire(request(1, Fraction(1, 2)))
         whole = asyncio.create_task(pool.acquire(request(2, Fraction(1))))
-        await asyncio.sleep(0.01)
+        await settle(pool)
         quarter = asyncio.create_task(pool.acquire(request(3)))
-        await asyncio.sleep(0.01)
+        await settle(pool)
         assert not quarter.done(), "the quarter would fit, but the whole card asked first"
         assert pool.ticket("user3/").code is Reason.NO_CAPACITY
         pool.release("user1/")
-        assert (await asyncio.wait_for(whole, 1)).cards == ("GPU-1",)
+        assert (await asyncio.wait_for(whole, 30)).cards == ("GPU-1",)
         whole.result()
         quarter.cancel()
 
@@ -241,18 +250,19 @@ def test_admission_wait_and_deny(store):
         await pool.acquire(request(0))
         await pool.acquire(request(1))
         third = asyncio.create_task(pool.acquire(request(2)))
-        await asyncio.sleep(0.01)
+        await settle(pool)
         assert pool.ticket("user2/").message().endswith("(team holds 0.5 of 0.5 GPUs)")
         assert pool.ticket("user2/").code is Reason.QUOTA_FULL
         waits_before = decisions("wait", "quota-full")
-        pool.schedule()
-        pool.schedule()
+        for _ in range(2):
+            pool.schedule()
+            await pool.settled()
         assert decisions("wait", "quota-full") == waits_before, "a wait that goes on is counted once"
         with pytest.raises(Denied, match="budget used up") as refused:
             await pool.acquire(request(3, team="blocked"))
         assert refused.value.code is Reason.BUDGET_DENY
         pool.release("user0/")
-        assert (await asyncio.wait_for(third, 1)).key == "user2/"
+        assert (await asyncio.wait_for(third, 30)).key == "user2/"
 
     run(scenario())
 
@@ -326,11 +336,11 @@ def test_queue_metrics(store):
         for n in range(2):
             await pool.acquire(request(n, Fraction(1), team="metrics"))
         waiting = [asyncio.create_task(pool.acquire(request(10 + n, team="metrics"))) for n in range(3)]
-        await asyncio.sleep(0.01)
+        await settle(pool)
         assert length("metrics") == 3
         before = REGISTRY.get_sample_value("gpupool_queue_wait_seconds_count", {"team": "metrics"})
         pool.release("user0/")
-        await asyncio.wait_for(asyncio.gather(*waiting), 1)
+        await asyncio.wait_for(asyncio.gather(*waiting), 30)
         assert length("metrics") == 0
         assert REGISTRY.get_sample_value("gpupool_queue_wait_seconds_count", {"team": "metrics"}) == before + 3
 
@@ -348,7 +358,7 @@ def test_waiting_requests_come_back_in_their_order_after_a_restart(tmp_path):
             pool.store.mark_running(f"user{n}/", holder.pid)
         waiting = [asyncio.create_task(pool.acquire(request(n, Fraction(1)), options={"profile": f"p{n}"}))
                    for n in (10, 11, 12)]
-        await asyncio.sleep(0.01)
+        await settle(pool)
         assert [pool.ticket(f"user{n}/").position for n in (10, 11, 12)] == [1, 2, 3]
         # The hub goes down: its tasks are cancelled (or it is killed and nothing runs at all).
         for task in waiting:
@@ -362,16 +372,16 @@ def test_waiting_requests_come_back_in_their_order_after_a_restart(tmp_path):
         assert pool.restoring["user11/"].options == {"profile": "p11"}
         # asked for again in another order: each keeps its place
         later = [asyncio.create_task(pool.acquire(request(n, Fraction(1)), options={"profile": f"p{n}"})) for n in (12, 11)]
-        await asyncio.sleep(0.01)
+        await settle(pool)
         pool.release("user0/")  # a card frees up before user10 is back: it is kept for user10
-        await asyncio.sleep(0.01)
+        await settle(pool)
         assert not any(t.done() for t in later)
         assert pool.ticket("user12/").reason == "requests queued before the hub restarted come first"
         first = asyncio.create_task(pool.acquire(request(10, Fraction(1)), options={"profile": "p10"}))
-        assert (await asyncio.wait_for(first, 1)).key == "user10/"
+        assert (await asyncio.wait_for(first, 30)).key == "user10/"
         assert [pool.ticket(f"user{n}/").position for n in (11, 12)] == [1, 2]
         pool.release("user1/")
-        assert (await asyncio.wait_for(later[1], 1)).key == "user11/"
+        assert (await asyncio.wait_for(later[1], 30)).key == "user11/"
         assert [q.request.key for q in pool.store.queued()] == ["user12/"]
         later[0].cancel()
         await asyncio.gather(later[0], return_exceptions=True)
@@ -391,7 +401,7 @@ def test_a_request_that_cannot_come_back_is_kept_with_its_reason(store):
         for n in range(2):
             await pool.acquire(request(n, Fraction(1)))
         task = asyncio.create_task(pool.acquire(request(5)))
-        await asyncio.sleep(0.01)
+        await settle(pool)
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
@@ -400,3 +410,73 @@ def test_a_request_that_cannot_come_back_is_kept_with_its_reason(store):
     (lost,) = store.lost("user5")
     assert lost.lost == "No such profile: 'gone'" and store.queued() == []
     assert LocalPool(H200, AllocationStore(store.engine.url.database, owner="other")).restoring == {}
+
+
+def test_a_pass_runs_off_the_event_loop_and_gives_back_a_placement_whose_request_left(store):
+    """The door (the ledger's transaction in a hub) runs in the pass's worker thread: the event loop goes on
+    meanwhile, and a request cancelled while the pass places it gets neither its cards nor its holding."""
+    in_the_door, go_on = threading.Event(), threading.Event()
+    given_back: list[Request] = []
+
+    def hold(req: Request) -> Verdict:
+        in_the_door.set()
+        assert go_on.wait(30), "the test never let the door go on"
+        return Verdict("admit", code=Reason.WITHIN_QUOTA)
+
+    async def scenario():
+        pool = LocalPool(H200, store, hold=hold, unhold=given_back.append)
+        task = asyncio.create_task(pool.acquire(replace(request(0), holding="user0/@1")))
+        assert await asyncio.to_thread(in_the_door.wait, 30)
+        # The pass is inside the door, in its thread; this coroutine runs (a blocked loop could not get here).
+        assert pool.ticket("user0/").future.done() is False
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        assert store.get("user0/") is not None, "the pass has reserved the cards and is still in the door"
+        go_on.set()
+        await pool.settled()
+        assert store.get("user0/") is None
+        assert [r.holding for r in given_back] == ["user0/@1"]
+        assert not pool.waiting
+
+    run(scenario())
+
+
+def test_a_request_through_the_door_needs_its_holding_key(store):
+    async def scenario():
+        pool = LocalPool(H200, store, hold=lambda req: Verdict("admit", code=Reason.WITHIN_QUOTA))
+        with pytest.raises(ValueError, match="no holding key"):
+            await pool.acquire(request(0))
+        assert store.all() == [] and store.queued() == []
+
+    run(scenario())
+
+
+def test_a_failing_pass_keeps_the_queue_waiting_with_the_reason_then_goes_on(store, monkeypatch):
+    import gpupool.spawner.pool as pool_module
+
+    monkeypatch.setattr(pool_module, "PASS_RETRY_S", 0.01)
+    tries: list[str] = []
+    seen = threading.Event()  # the test has seen the failure on the ticket
+
+    def hold(req: Request) -> Verdict:
+        tries.append(req.key)
+        if len(tries) == 1:
+            raise ConnectionError("the ledger is unreachable")  # e.g. PostgreSQL restarting
+        assert seen.wait(30)
+        return Verdict("admit", code=Reason.WITHIN_QUOTA)
+
+    async def scenario():
+        pool = LocalPool(H200, store, hold=hold)
+        task = asyncio.create_task(pool.acquire(replace(request(0), holding="user0/@1")))
+        await asyncio.sleep(0)
+        ticket = pool.ticket("user0/")
+        await asyncio.wait_for(ticket.changed.wait(), 30)  # the first news of it is the failed pass
+        assert ticket.message() == ('Waiting for 1/4 × H200: in queue "vision" '
+                                    "(the queue cannot be decided now (ConnectionError); retrying)")
+        assert not task.done()
+        seen.set()
+        allocation = await asyncio.wait_for(task, 30)
+        assert allocation.key == "user0/" and tries == ["user0/", "user0/"]
+        assert [a.key for a in store.all()] == ["user0/"], "the failed try left no reservation behind"
+
+    run(scenario())

@@ -86,6 +86,8 @@ async def run_the_real_pool(work: R.Workload, policy: Policy, tmp_path: Path) ->
             while pool.ticket(job.key) is None and not task.done():
                 await asyncio.sleep(0)
         # Whatever this event let start: let those acquires return before the clock moves on.
+        await asyncio.sleep(0)  # a new acquire reaches the queue
+        await pool.settled()
         settled = [(key, t) for key, t in tasks.items() if key not in started and key not in denied
                    and (t.done() or (pool.ticket(key) is not None and pool.ticket(key).future.done()))]
         for key, task in settled:
