@@ -533,11 +533,17 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         queue_timeout = self.policy.queue_timeout(choice.team)
         ledger = self.ledger
         run = self.new_usage_run(holds_gpu=choice.profile.gpu is not None)
-        while True:
+        held = self.usage_run
+        while not self._gpupool_stopping:
             policy = self.policy
             request = AdmissionRequest(user=self.user.name, team=choice.team, at=periods.utcnow(), profile=choice.slug)
             result = await asyncio.to_thread(notify.admit, policy, ledger, request, run, self.log)
             decision = result.decision
+            if self._gpupool_stopping:
+                # Stopped while the door decided: `stop()` closed the run before the door could have recorded
+                # its holding; the start's end closes it (once more) now that the door is done.
+                self.usage_run, self.usage_running = held, False
+                break
             if decision.action == "deny":
                 raise self._refuse(decision.reason, decision.code)
             if decision.admitted:
@@ -545,13 +551,12 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
                 return decision
             self._gpupool_status = f"Waiting for {choice.profile.display_name}: {decision.reason}"
             self._waiting_for(decision.code)
-            if self._gpupool_stopping:
-                raise self._refuse(f"{choice.profile.display_name}: stopped while waiting for quota", Reason.CANCELLED)
             if loop.time() - began > queue_timeout:
                 raise self._refuse(f"{choice.profile.display_name} waited {queue_timeout} seconds for quota "
                                   f"({decision.reason}); try again later or pick a smaller profile",
                                   Reason.QUEUE_TIMEOUT)
             await asyncio.sleep(self.queue_poll_interval)
+        raise self._refuse(f"{choice.profile.display_name}: stopped while waiting for quota", Reason.CANCELLED)
 
     async def _start(self):
         await self.load_user_options()  # an invalid choice is refused here, before any API call
@@ -572,6 +577,9 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
             if problem:
                 # Not a user error and not temporary: the policy offers a profile this cluster cannot hold.
                 raise self._refuse(problem, Reason.NEVER_FITS_POOL)
+            if self._gpupool_stopping:  # stopped while the capacity was looked up: no pod is created
+                raise self._refuse(f"{choice.profile.display_name}: stopped before its pod was created",
+                                   Reason.CANCELLED)
             self._gpupool_status = self._gpupool_waiting = None
             start = asyncio.ensure_future(super()._start())
             watch = asyncio.ensure_future(self._watch_queue(choice))

@@ -14,6 +14,7 @@ import importlib
 import inspect
 import re
 import shutil
+import threading
 from datetime import UTC, datetime, timedelta
 from fractions import Fraction
 from pathlib import Path
@@ -25,6 +26,7 @@ import yaml
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import HowEnded, Ledger, State, run_key
 from gpupool.policies import load_policy
+from gpupool.hub.accounting import notify
 from gpupool.spawner import podgroups
 from gpupool.spawner.kube import UPSTREAM_INTERNALS, GPUKubeSpawner, policy_priorities, volcano_binding
 from gpupool.spawner.usage import get_ledger
@@ -934,6 +936,37 @@ async def test_a_full_per_user_quota_waits_without_a_pod_until_shares_free_up(cl
     with pytest.raises(web.HTTPError):
         await asyncio.wait_for(started, 10)
     await asyncio.wait_for(progress, 5)
+
+
+@pytest.mark.asyncio
+async def test_a_stop_while_the_door_decides_ends_the_holding_it_records(cluster, tmp_path, ledger, monkeypatch):
+    # The door (Ledger.admit, in a worker thread) is held until the spawn was stopped: stop() finds no holding
+    # yet, then the door records one. The start's end must close it, unbilled, and no pod may be created.
+    entered, release = threading.Event(), threading.Event()
+    door = notify.admit
+
+    def held_door(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return door(*args, **kwargs)
+
+    monkeypatch.setattr(notify, "admit", held_door)
+    hub = HubDB(spawner_config(policy_copy(tmp_path, queue_timeout=30), cluster.url))
+    spawner = hub.spawner("alice", ("vision",))
+    await spawner._run_apply_user_options({"profile": "h200-quarter"})
+    started, _events, progress = begin_spawn(hub, spawner)
+    assert await asyncio.to_thread(entered.wait, 30)
+    run = spawner.usage_run
+    await spawner.stop(now=True)
+    release.set()
+    with pytest.raises(web.HTTPError) as stopped:
+        await asyncio.wait_for(started, 10)
+    assert stopped.value.reason == "cancelled", stopped.value
+    await asyncio.wait_for(progress, 5)
+    assert ledger.open_intervals() == []
+    (held,) = ledger.run_intervals(run)
+    assert held.how == "stopped" and held.gpu_hours(periods.period_of(periods.utcnow())) == 0
+    assert not [r for r in cluster.requests() if r.method == "POST" and r.url.path.endswith("/pods")]
 
 
 @pytest.mark.asyncio
