@@ -28,7 +28,7 @@ SERVER_PYTHON ?= /usr/bin/python3.11
 SERVER_ENV ?= $(if $(filter 0,$(shell id -u)),/opt/gpupool/env,)
 export GPUPOOL_SERVER_ENV := $(SERVER_ENV)
 SERVER_WHEEL := build/server-env/.built
-SOURCES := setup.cfg pyproject.toml $(shell find hub spawner policies mlflow -type f -not -path '*/__pycache__/*')
+SOURCES := setup.cfg pyproject.toml $(shell find hub spawner policies mlflow train -type f -not -path '*/__pycache__/*')
 BASE_FILES := images/base/gpupool-platform-first.pth images/base/platform_first.py images/base/overrides.json
 
 # (after SERVER_ENV is defined: make expands a rule's prerequisites when it reads the rule)

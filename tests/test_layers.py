@@ -22,11 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: Folder → import name (setup.cfg's package_dir).
 PACKAGES = {"policies": "gpupool.policies", "hub": "gpupool.hub", "spawner": "gpupool.spawner",
-            "mlflow": "gpupool.mlflow"}
+            "mlflow": "gpupool.mlflow", "train": "gpupool.train"}
 
 #: Layer of each module, by the longest matching module prefix; a module may import its own layer and lower.
 #: `hub` and `mlflow` are the top layer side by side.
 LAYERS = {
+    # The checkpoint helper runs inside users' jobs and notebooks: it needs no other part of gpupool.
+    "gpupool.train": -1,
     "gpupool.policies": 0,
     "gpupool.hub.accounting": 1,
     "gpupool.spawner": 2,
@@ -36,7 +38,7 @@ LAYERS = {
     # dataset registries); it lives beside the accounting core it serves, under the name the chart runs.
     "gpupool.hub.accounting.service": 3,
 }
-LAYER_NAMES = {0: "policies", 1: "hub/accounting", 2: "spawner", 3: "hub/mlflow"}
+LAYER_NAMES = {-1: "train", 0: "policies", 1: "hub/accounting", 2: "spawner", 3: "hub/mlflow"}
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,7 @@ def folder_name_imports(root: Path = ROOT) -> list[str]:
     offences = []
     for file in source_files(root):
         for found in imports_of(file, root):
-            if found.imported.split(".")[0] in ("hub", "spawner", "policies"):
+            if found.imported.split(".")[0] in ("hub", "spawner", "policies", "train"):
                 offences.append(f"{file.relative_to(root)}:{found.line}: imports {found.imported}")
     return sorted(set(offences))
 
@@ -156,7 +158,7 @@ def _python(code: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-@pytest.mark.parametrize("folder", ["hub", "spawner", "policies"])
+@pytest.mark.parametrize("folder", ["hub", "spawner", "policies", "train"])
 def test_a_folder_cannot_be_imported_by_its_folder_name(folder):
     """From the repository root a folder is importable as a top-level package: a second copy, refused."""
     done = _python(f"import {folder}")

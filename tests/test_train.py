@@ -1,0 +1,235 @@
+"""gpupool.train: checkpoints are whole or absent, the newest committed one is what a run resumes from, and
+SIGTERM becomes a flag the loop stops at.
+
+Real processes are killed for real (SIGKILL between two files of a save, mid-run; SIGTERM for a graceful
+stop); the PyTorch run is a tiny CPU model (tests/train_loop.py) whose resumed weights must equal an
+uninterrupted run's bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpupool.train import Checkpoints, should_stop
+from gpupool.train.checkpoints import MARKER, step_folder
+
+HERE = Path(__file__).resolve().parent
+
+
+def run_python(code: str, *args: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def wait_for_file(path: Path, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if process.poll() is not None:
+            raise AssertionError(f"exited {process.returncode} before {path.name}: {process.stderr.read()[-2000:]}")
+        assert time.monotonic() < deadline, f"no {path} after {timeout} s"
+        time.sleep(0.02)
+
+
+# --- the commit protocol -----------------------------------------------------------------------------------
+
+def test_save_and_load_latest_round_trip_every_kind_of_value(tmp_path):
+    ckpt = Checkpoints(tmp_path, keep=2, handle_sigterm=False)
+    assert ckpt.load_latest() is None
+    saved = ckpt.save({"weights.bin": b"\x00\x01", "state": {"lr": 0.1, "epoch": 3},
+                       "export": lambda path: (path.mkdir(), (path / "config.json").write_text("{}"))},
+                      7, metadata={"loss": 0.5})
+    latest = ckpt.load_latest()
+    assert latest == saved and latest.step == 7 and latest.path == tmp_path / step_folder(7)
+    assert latest.read_bytes("weights.bin") == b"\x00\x01"
+    assert latest.unpickle("state") == {"lr": 0.1, "epoch": 3}
+    assert (latest.file("export") / "config.json").read_text() == "{}"
+    assert latest.metadata == {"loss": 0.5}
+    assert latest.files == {"weights.bin": 2, "state": latest.file("state").stat().st_size, "export": 2}
+    with pytest.raises(KeyError, match="has no 'missing'; it has: export, state, weights.bin"):
+        latest.file("missing")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_folder(7)]  # nothing else left behind
+
+
+def test_keeps_the_newest_committed_and_removes_older_only_after_a_commit(tmp_path):
+    ckpt = Checkpoints(tmp_path, keep=2, handle_sigterm=False)
+    for step in (10, 20, 30):
+        ckpt.save({"w": str(step).encode()}, step)
+    assert [c.step for c in ckpt.committed()] == [20, 30]
+
+    def broken(path):
+        path.write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save({"w": b"40", "optimizer": broken}, 40)
+    # The failed save took nothing away and left nothing behind.
+    assert [c.step for c in ckpt.committed()] == [20, 30]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_folder(20), step_folder(30)]
+    assert ckpt.load_latest().read_bytes("w") == b"30"
+
+
+def test_saving_a_step_again_replaces_it(tmp_path):
+    # A resumed run redoes the steps after its last checkpoint and saves the same step numbers again.
+    ckpt = Checkpoints(tmp_path, handle_sigterm=False)
+    ckpt.save({"w": b"first"}, 5)
+    ckpt.save({"w": b"second"}, 5)
+    assert [(c.step, c.read_bytes("w")) for c in ckpt.committed()] == [(5, b"second")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_folder(5)]
+
+
+def test_uncommitted_and_damaged_checkpoints_are_skipped(tmp_path):
+    ckpt = Checkpoints(tmp_path, keep=5, handle_sigterm=False)
+    for step in (1, 2, 3, 4):
+        ckpt.save({"w": b"x" * 10, "o": b"y" * 10}, step)
+    (tmp_path / step_folder(4) / "o").write_bytes(b"y" * 3)  # truncated after its commit
+    (tmp_path / step_folder(3) / MARKER).unlink()  # never committed (a copy by hand, say)
+    marker = json.loads((tmp_path / step_folder(2) / MARKER).read_text())
+    (tmp_path / step_folder(2) / MARKER).write_text(json.dumps({**marker, "step": 9}))  # not its own marker
+    (tmp_path / step_folder(5)).mkdir()  # an empty folder
+    assert ckpt.load_latest().step == 1
+    assert [c.step for c in ckpt.committed()] == [1]
+
+
+@pytest.mark.parametrize(("state", "step", "message"), [
+    ({"w": b""}, -1, "a checkpoint's step is a whole number ≥ 0, not -1"),
+    ({"w": b""}, 1.5, "a checkpoint's step is a whole number ≥ 0, not 1.5"),
+    ({}, 1, "a checkpoint needs at least one file"),
+    ({"a/b": b""}, 1, "checkpoint file names are plain names .*not 'a/b'"),
+    ({MARKER: b""}, 1, "checkpoint file names are plain names .*not 'COMMITTED.json'"),
+])
+def test_bad_saves_are_refused_and_write_nothing(tmp_path, state, step, message):
+    ckpt = Checkpoints(tmp_path, handle_sigterm=False)
+    with pytest.raises(ValueError, match=message):
+        ckpt.save(state, step)
+    with pytest.raises(TypeError):
+        ckpt.save({"w": b""}, 1, metadata={"not json": object()})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_folder_comes_from_the_jobs_environment_or_is_asked_for(tmp_path, monkeypatch):
+    monkeypatch.delenv("GPUPOOL_CHECKPOINT_DIR", raising=False)
+    with pytest.raises(ValueError, match="no checkpoint folder: pass Checkpoints\\(directory\\) or set "
+                                         "GPUPOOL_CHECKPOINT_DIR"):
+        Checkpoints(handle_sigterm=False)
+    monkeypatch.setenv("GPUPOOL_CHECKPOINT_DIR", str(tmp_path / "job-7"))
+    assert Checkpoints(handle_sigterm=False).directory == tmp_path / "job-7"
+    assert (tmp_path / "job-7").stat().st_mode & 0o777 == 0o700  # private to the user
+    with pytest.raises(ValueError, match="keep is how many committed checkpoints stay"):
+        Checkpoints(tmp_path, keep=0, handle_sigterm=False)
+
+
+# --- killed for real ---------------------------------------------------------------------------------------
+
+def test_a_save_killed_between_two_files_is_skipped_and_its_leftovers_cleaned(tmp_path):
+    # The process commits step 1, then dies (SIGKILL, nothing runs after it) between the files of step 2.
+    process = run_python("""
+        import os, signal, sys
+        from gpupool.train import Checkpoints
+        ckpt = Checkpoints(sys.argv[1], keep=1)
+        ckpt.save({"model": b"m1", "optimizer": b"o1"}, 1)
+        def die(path):
+            os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.save({"model": b"m2" * 1000, "optimizer": die}, 2)
+    """, str(tmp_path))
+    process.communicate(timeout=120)
+    assert process.returncode == -signal.SIGKILL
+    (leftover,) = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert (leftover / "model").read_bytes() == b"m2" * 1000  # the first file was written, the commit never
+    ckpt = Checkpoints(tmp_path, keep=1, handle_sigterm=False)  # a new run: the dead writer's folder goes
+    latest = ckpt.load_latest()
+    assert (latest.step, latest.read_bytes("model"), latest.read_bytes("optimizer")) == (1, b"m1", b"o1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_folder(1)]
+
+
+def test_sigterm_sets_should_stop_and_the_loop_saves_and_exits(tmp_path):
+    process = run_python("""
+        import sys, time
+        from gpupool.train import Checkpoints, should_stop
+        ckpt = Checkpoints(sys.argv[1])
+        step = 0
+        while not should_stop():
+            step += 1
+            if step == 3:
+                print("running", flush=True)
+            time.sleep(0.001)
+        ckpt.save({"step": str(step).encode()}, step)
+        print("saved", step, flush=True)
+    """, str(tmp_path))
+    assert process.stdout.readline() == "running\n"
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    step = int(out.split()[-1])
+    assert Checkpoints(tmp_path, handle_sigterm=False).load_latest().read_bytes("step") == str(step).encode()
+    assert not should_stop()  # this process was never asked to stop: the flag is per process
+
+
+# --- PyTorch: resumed exactly ------------------------------------------------------------------------------
+
+def train(out: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(HERE / "train_loop.py"), str(out), *args],
+                            env={k: v for k, v in os.environ.items() if k != "GPUPOOL_CHECKPOINT_DIR"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished(process: subprocess.Popen) -> str:
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    return out
+
+
+def steps_of(out: Path) -> list[int]:
+    return [int(line) for line in (out / "steps").read_text().split()]
+
+
+def test_a_run_killed_mid_way_resumes_from_its_last_checkpoint_to_the_same_weights(tmp_path):
+    steps, every, kill_at = 60, 10, 25
+    finished(train(tmp_path / "whole", "--steps", str(steps), "--every", str(every)))
+    assert steps_of(tmp_path / "whole") == list(range(1, steps + 1))
+
+    interrupted = tmp_path / "killed"
+    first = train(interrupted, "--steps", str(steps), "--every", str(every), "--pause-at", str(kill_at))
+    wait_for_file(interrupted / "paused", first)
+    first.kill()  # SIGKILL: no handler runs, nothing is saved on the way out
+    first.communicate(timeout=60)
+    assert steps_of(interrupted) == list(range(1, kill_at + 1))
+    resumed_from = Checkpoints(interrupted / "checkpoints", handle_sigterm=False).load_latest().step
+    assert resumed_from == kill_at - kill_at % every  # the last periodic save before the kill
+
+    out = finished(train(interrupted, "--steps", str(steps), "--every", str(every)))
+    assert f"resumed from step {resumed_from}" in out
+    done = steps_of(interrupted)
+    # The step counter goes on from the checkpoint: the steps after it are redone (at most `every`), then on.
+    assert done == list(range(1, kill_at + 1)) + list(range(resumed_from + 1, steps + 1))
+    assert kill_at - resumed_from <= every
+    whole = torch.load(tmp_path / "whole" / "final.pt")
+    again = torch.load(interrupted / "final.pt")
+    assert whole.keys() == again.keys()
+    for name in whole:
+        assert torch.equal(whole[name], again[name]), name  # bit for bit, dropout and shuffling included
+
+
+def test_sigterm_mid_run_saves_at_the_step_boundary_and_resumes_there(tmp_path):
+    steps, every = 60, 25
+    finished(train(tmp_path / "whole", "--steps", str(steps), "--every", str(every)))
+    out = tmp_path / "preempted"
+    first = train(out, "--steps", str(steps), "--every", str(every), "--pause-at", "12")
+    wait_for_file(out / "paused", first)
+    first.terminate()  # SIGTERM while it sleeps in step 12: it goes on, sees should_stop() and saves
+    said = finished(first)
+    assert "asked to stop: saved step 12" in said
+    assert Checkpoints(out / "checkpoints", handle_sigterm=False).load_latest().step == 12
+    assert "resumed from step 12" in finished(train(out, "--steps", str(steps), "--every", str(every)))
+    assert steps_of(out) == list(range(1, steps + 1))  # nothing redone
+    whole, again = torch.load(tmp_path / "whole" / "final.pt"), torch.load(out / "final.pt")
+    assert all(torch.equal(whole[name], again[name]) for name in whole)
