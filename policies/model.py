@@ -374,6 +374,11 @@ def s3_root_parts(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
+#: A job's priority within its team (`gpupool jobs submit --priority`), lowest first.
+JOB_PRIORITIES: tuple[str, ...] = ("low", "normal", "high")
+JobPriority = Literal["low", "normal", "high"]
+
+
 class TeamDatasets(Strict):
     """Where one team's datasets live: its root (a folder or an S3 bucket/prefix) and the DVC remote in it."""
 
@@ -440,10 +445,94 @@ class Team(Strict):
         "team's group, never with anyone else; share codes are refused. Off: nobody of the team may share.",
     )
 
+    job_priorities: list[JobPriority] = Field(
+        default_factory=lambda: ["low", "normal"], min_length=1,
+        description="The priorities members may give their training jobs (`gpupool jobs submit --priority`). "
+        "A job without one gets `normal` when it is allowed, else the highest allowed.",
+    )
+
     @model_validator(mode="after")
     def _membership(self) -> Team:
         if self.group_source == "authenticator" and self.members:
             raise ValueError("members come from the authenticator (group_source); leave `members` out")
+        return self
+
+
+# --- training jobs ------------------------------------------------------------------------------------
+
+#: What may end a job's run; the ones that are never the job's fault never count as a retry.
+RESTART_CAUSES: tuple[str, ...] = ("failed", "preempted", "node-lost", "platform-restart", "suspended")
+
+
+class Restarts(Strict):
+    """When a job whose run failed is started again (runs ended by preemption, a lost node, a restart of the
+    platform or a suspend are always resumed and never count)."""
+
+    max_restarts: int = Field(3, ge=0, le=1000, description="Failed runs restarted before the job is `failed`; "
+                              "`gpupool jobs submit --max-restarts` may ask for fewer.")
+    backoff_seconds: int = Field(10, ge=0, le=3600,
+                                 description="Wait before the first restart after a failure; doubled each time.")
+    max_backoff_seconds: int = Field(600, ge=0, le=86400, description="The longest wait between restarts.")
+    never_retry_exit_codes: list[int] = Field(
+        default_factory=list, description="Exit codes that fail the job at once (e.g. `2`, a usage error).")
+    always_retry_exit_codes: list[int] = Field(
+        default_factory=list, description="Exit codes restarted without counting against `max_restarts`.")
+
+    @model_validator(mode="after")
+    def _codes(self) -> Restarts:
+        both = sorted(set(self.never_retry_exit_codes) & set(self.always_retry_exit_codes))
+        if both:
+            raise ValueError(f"exit codes {both} are both never-retry and always-retry: keep each in one list")
+        if self.max_backoff_seconds < self.backoff_seconds:
+            raise ValueError("max_backoff_seconds is below backoff_seconds")
+        return self
+
+
+class Preemption(Strict):
+    """Who may preempt whom: a request that cannot fit may stop preemptible jobs of lower priority."""
+
+    enabled: bool = Field(True, description="Off: requests wait for room; no job is ever preempted.")
+    by: list[Literal["server", "job"]] = Field(
+        default_factory=lambda: ["server", "job"],
+        description="Which requests may preempt: notebook servers, jobs, or both. Notebook servers are never "
+        "preempted.",
+    )
+    min_priority_gap: int = Field(
+        1, ge=1, le=2_000_000,
+        description="How much higher the request's priority must be than a job's (team priority plus the job's "
+        "`priorities` offset; over-budget work is the lowest) for that job to be preempted.",
+    )
+
+
+class Jobs(Strict):
+    """Training jobs (`gpupool jobs submit`): their priorities, preemption, restarts and checkpoints."""
+
+    priorities: dict[JobPriority, Annotated[int, Field(ge=0, le=1_000_000)]] = Field(
+        default_factory=lambda: {"low": 0, "normal": 10, "high": 20},
+        description="Added to the team's `priority` for a job of each priority; servers have `normal`'s.",
+    )
+    grace_seconds: int = Field(
+        60, ge=1, le=3600,
+        description="A preempted or cancelled job gets SIGTERM, then SIGKILL after this long (Kubernetes: "
+        "`terminationGracePeriodSeconds`): time to save a checkpoint (`gpupool.train.should_stop()`).",
+    )
+    restarts: Restarts = Field(Restarts(), description="Restarts of failed runs, with back-off.")
+    preemption: Preemption = Field(Preemption(), description="Who may preempt whom.")
+    checkpoint_claim: str | None = Field(
+        None, pattern=DNS_LABEL.pattern,
+        description="Kubernetes mode: the PersistentVolumeClaim jobs keep their checkpoints on (a folder per "
+        "user and job in it); without it checkpoints go to the pod's team storage mount.",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Jobs:
+        missing = [p for p in JOB_PRIORITIES if p not in self.priorities]
+        if missing:
+            raise ValueError(f"priorities needs an offset for each of {', '.join(JOB_PRIORITIES)} "
+                             f"(missing: {', '.join(missing)})")
+        values = [self.priorities[p] for p in JOB_PRIORITIES]
+        if values != sorted(values):
+            raise ValueError("priorities must not decrease from low to normal to high")
         return self
 
 
@@ -520,6 +609,7 @@ class Policy(Strict):
     billing: Billing = Field(Billing(), description="Currency, period and prices.")
     datasets: Datasets = Field(Datasets(), description="Where the teams' datasets live (DVC remotes).")
     settings: Settings = Field(Settings(), description="Pool-wide settings.")
+    jobs: Jobs = Field(Jobs(), description="Training jobs: priorities, preemption, restarts, checkpoints.")
 
     # ---- conveniences the rest of gpupool uses ----
 
@@ -536,6 +626,16 @@ class Policy(Strict):
     def named_server_limit(self, teams) -> int:
         """How many named servers a member of `teams` may have: the largest of their teams' (0 in no team)."""
         return max((self.teams[t].named_servers for t in teams if t in self.teams), default=0)
+
+    def default_job_priority(self, team: str) -> str:
+        """The priority of a job of `team` submitted without one: `normal` if the team may use it."""
+        allowed = self.teams[team].job_priorities
+        return "normal" if "normal" in allowed else max(allowed, key=JOB_PRIORITIES.index)
+
+    def job_priority(self, team: str, priority: str = "normal") -> int:
+        """The queue priority of work of `team` at job priority `priority` (servers are `normal`): the team's
+        priority plus the policy's offset for it."""
+        return self.teams[team].priority + self.jobs.priorities[priority]
 
     def queue_timeout(self, team: str) -> int:
         return self.teams[team].queue.timeout_seconds or self.settings.queue_timeout_seconds

@@ -50,7 +50,7 @@ def _default(field: Any) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(str(v) for v in value) + "]" if value else "[]"
     if isinstance(value, dict):
-        return "{}"
+        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
     return f"`{str(value).lower() if isinstance(value, bool) else value}`"
 
 

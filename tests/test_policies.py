@@ -62,6 +62,7 @@ TEAMS = "teams.yaml"
 PROFILES = "profiles.yaml"
 GPUS = "gpus.yaml"
 BILLING = "billing.yaml"
+JOBS = "jobs.yaml"
 
 BROKEN = {
     "duplicate key": (TEAMS, ("    priority: 100\n", "    priority: 100\n    priority: 5\n"), "duplicate key 'priority'"),
@@ -108,6 +109,15 @@ BROKEN = {
     "too many named servers": (TEAMS, ("    priority: 100\n", "    priority: 100\n    named_servers: 1000\n"),
                                "less than or equal to 100"),
     "sharing as text": (TEAMS, ("    priority: 100\n", '    priority: 100\n    sharing: "on"\n'), "valid boolean"),
+    "job priority that does not exist": (TEAMS, ("    priority: 100\n", "    priority: 100\n    job_priorities: [urgent]\n"),
+                                         "'low', 'normal' or 'high'"),
+    "job priorities out of order": (JOBS, ("low: 0", "low: 15"), "must not decrease from low to normal to high"),
+    "job priority offset missing": (JOBS, ("    high: 20\n", ""), "missing: high"),
+    "exit code in both lists": (JOBS, ("always_retry_exit_codes: []", "always_retry_exit_codes: [2]"),
+                                "exit codes [2] are both never-retry and always-retry"),
+    "grace period of zero": (JOBS, ("grace_seconds: 60", "grace_seconds: 0"), "greater than or equal to 1"),
+    "preemption by a kind that does not exist": (JOBS, ("by: [server, job]", "by: [server, admin]"),
+                                                 "'server' or 'job'"),
 }
 
 

@@ -13,8 +13,11 @@ from __future__ import annotations
 import grp
 import os
 import pwd
+import shutil
 import stat
 import subprocess
+import tempfile
+from pathlib import Path
 
 import psutil
 import pytest
@@ -41,13 +44,14 @@ PEOPLE = {"alice": "vision", "carol": "vision", "bob": "nlp"}
 
 
 @pytest.fixture(scope="module")
-def terminals(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("team-terminals")
-    # The servers' accounts enter the team folders beside the state folder: pytest's own folders are private.
+def terminals():
+    # The servers' accounts enter the team folders beside the state folder, so the folder is one of our own
+    # in the system's temporary folder: pytest's are private, and every pytest that starts (JupyterHub's
+    # contract tests run one) makes them private again.
+    tmp = Path(tempfile.mkdtemp(prefix="gpupool-team-terminals-"))
     os.chmod(tmp, 0o755)
     for parent in tmp.parents:
-        if parent.stat().st_mode & 0o005 != 0o005:
-            os.chmod(parent, parent.stat().st_mode | 0o005)
+        assert parent.stat().st_mode & 0o005 == 0o005, f"{parent} is not open to every user"
     hub = Hub(tmp, POLICY, mlflow=False)
     accounts_before = {a.pw_name for a in pwd.getpwall()}
     hub.start()
@@ -74,6 +78,7 @@ def terminals(tmp_path_factory):
                 process.kill()
         for name in {a.pw_name for a in pwd.getpwall()} - accounts_before:
             subprocess.run(["userdel", "--remove", name], capture_output=True, check=False)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_each_server_is_its_own_account(terminals):
