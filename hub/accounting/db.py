@@ -146,6 +146,101 @@ class AdmissionLock(Base):
     team: Mapped[str] = mapped_column(sa.String(63), primary_key=True)
 
 
+#: A training job's state: waiting in the queue (`queued`; `restarting` while its back-off runs), running,
+#: held by its user (`suspended`), or ended.
+JOB_STATES = ("queued", "restarting", "running", "suspended", "succeeded", "failed", "cancelled")
+#: States a job does not leave.
+JOB_ENDED = ("succeeded", "failed", "cancelled")
+#: How a run of a job ended (`restarts.Event`).
+RUN_EVENTS = ("succeeded", "failed", "preempted", "node-lost", "platform-restart", "suspended", "cancelled")
+
+
+def _one_of(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN (" + ", ".join(f"'{v}'" for v in values) + ")"
+
+
+class Job(Base):
+    """A training job: what to run, for whom, under which profile, and where it stands."""
+
+    __tablename__ = "accounting_jobs"
+
+    #: Short and URL-safe (`gpupool jobs show ID`); also the Volcano Job's name suffix.
+    id: Mapped[str] = mapped_column(sa.String(32), primary_key=True)
+    #: The submitter's idempotency key (`Idempotency-Key`): submitting twice with it makes one job.
+    submit_key: Mapped[str | None] = mapped_column(sa.String(255), unique=True)
+    user: Mapped[str] = mapped_column(sa.String(255))
+    team: Mapped[str] = mapped_column(sa.String(63))
+    profile: Mapped[str] = mapped_column(sa.String(63))
+    priority: Mapped[str] = mapped_column(sa.String(8))
+    preemptible: Mapped[bool] = mapped_column(sa.Boolean)
+    #: The command and its arguments, a JSON list of strings; `env`, a JSON object of strings.
+    command: Mapped[str] = mapped_column(sa.Text)
+    env: Mapped[str] = mapped_column(sa.Text)
+    workdir: Mapped[str | None] = mapped_column(sa.Text)
+    checkpoint_dir: Mapped[str | None] = mapped_column(sa.Text)
+    max_restarts: Mapped[int] = mapped_column(sa.Integer)
+    state: Mapped[str] = mapped_column(sa.String(16))
+    #: Why it is in its state, in words (the queue's reason, the restart's cause, the failure).
+    reason: Mapped[str] = mapped_column(sa.Text, default="")
+    #: Restarts that counted against `max_restarts` (failures of the job's own program).
+    restarts: Mapped[int] = mapped_column(sa.Integer, default=0)
+    #: Runs started so far (every run is one attempt, whatever ended it).
+    runs: Mapped[int] = mapped_column(sa.Integer, default=0)
+    exit_code: Mapped[int | None] = mapped_column(sa.Integer)
+    #: Its user asked to cancel it while it ran: the runner stops it (SIGTERM, grace, SIGKILL).
+    cancel_requested: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    submitted_at: Mapped[datetime] = mapped_column(UTCSeconds)
+    #: Its place in the queue among jobs of its priority: when it was submitted, kept when it was
+    #: preempted (it goes back to the head), now when it restarts after a failure.
+    queued_at: Mapped[datetime] = mapped_column(UTCSeconds)
+    #: A restarting job waits for its back-off until then.
+    not_before: Mapped[datetime | None] = mapped_column(UTCSeconds)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCSeconds)
+
+    __table_args__ = (
+        sa.CheckConstraint(_one_of("state", JOB_STATES), name="state_known"),
+        sa.CheckConstraint("priority IN ('low', 'normal', 'high')", name="priority_known"),
+        sa.CheckConstraint("max_restarts >= 0 AND restarts >= 0 AND runs >= 0", name="counts_not_negative"),
+        sa.CheckConstraint("(ended_at IS NULL) = (" + _one_of("state", JOB_ENDED).replace(" IN ", " NOT IN ") + ")",
+                           name="ended_iff_final"),
+        sa.Index(None, "user"),
+        sa.Index(None, "team"),
+        sa.Index(None, "state"),
+    )
+
+
+class JobRun(Base):
+    """One run (attempt) of a job: from its start to its end, with the process it was."""
+
+    __tablename__ = "accounting_job_runs"
+
+    id: Mapped[int] = mapped_column(sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(sa.String(32), sa.ForeignKey("accounting_jobs.id", ondelete="CASCADE"))
+    #: 1 for the first run, then one more for every start.
+    attempt: Mapped[int] = mapped_column(sa.Integer)
+    started_at: Mapped[datetime] = mapped_column(UTCSeconds)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCSeconds)
+    event: Mapped[str | None] = mapped_column(sa.String(16))
+    exit_code: Mapped[int | None] = mapped_column(sa.Integer)
+    #: Whether this run's end counted against `max_restarts`.
+    counted: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    #: What happened next, in words (`restarts.Next.reason`).
+    reason: Mapped[str] = mapped_column(sa.Text, default="")
+    #: The process (embedded mode): its PID and start time (ms since the epoch), which together say whether
+    #: a PID seen after a restart of the platform is still this run.
+    pid: Mapped[int | None] = mapped_column(sa.Integer)
+    pid_started_ms: Mapped[int | None] = mapped_column(sa.BigInteger)
+    #: The ledger run of this attempt's holding (`ledger.run_key`).
+    holding: Mapped[str | None] = mapped_column(sa.String(255))
+
+    __table_args__ = (
+        sa.UniqueConstraint("job_id", "attempt"),
+        sa.CheckConstraint("event IS NULL OR " + _one_of("event", RUN_EVENTS), name="event_known"),
+        sa.CheckConstraint("(ended_at IS NULL) = (event IS NULL)", name="event_iff_ended"),
+        sa.CheckConstraint("ended_at IS NULL OR ended_at >= started_at", name="end_after_start"),
+    )
+
+
 # --- engines ---------------------------------------------------------------------------------------------
 
 ACCEPTED_URLS = "sqlite:///PATH or postgresql+psycopg://USER@HOST:PORT/DATABASE"

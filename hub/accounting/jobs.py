@@ -1,0 +1,397 @@
+"""Training jobs in the ledger's database: a submission checked against the policy, then a job whose every
+run (attempt) is recorded, and whose state after a run follows the restart rules (`restarts.after_run`).
+
+Every change is one transaction with a condition on the state it starts from, so that two writers (a
+retried request, the runner and a cancel, two hub processes) never both apply: a job starts once per
+attempt, a run ends once, a cancel of a job that already ended changes nothing. A submission with the same
+idempotency key makes one job. Jobs and runs survive restarts of every process: the runner re-adopts what
+the table says is running (`Run.pid`, `Run.pid_started_ms`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+import sqlalchemy as sa
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gpupool.hub.accounting import db
+from gpupool.hub.accounting.restarts import Action, Ended, Event, Next, after_run
+from gpupool.policies.model import JOB_PRIORITIES, Policy
+
+JOBS = db.Job.__table__
+RUNS = db.JobRun.__table__
+
+#: Environment variables a job may not set: the platform's own (its share, its identity, its hub token).
+RESERVED_ENV = re.compile(r"(GPUPOOL_|CUDA_|JUPYTERHUB_|MLFLOW_TRACKING_|NVIDIA_).*|PATH|HOME|USER|LOGNAME")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: What a job id looks like (`new_job_id`).
+JOB_ID = re.compile(r"[a-f0-9]{12}")
+
+#: The state each action leads to.
+STATE_AFTER: dict[Action, str] = {
+    Action.COMPLETE: "succeeded", Action.RESTART: "restarting", Action.REQUEUE: "queued",
+    Action.SUSPEND: "suspended", Action.FAIL: "failed", Action.CANCEL: "cancelled",
+}
+
+
+class JobRefused(ValueError):
+    """A submission or change the policy or the job's state does not allow; the message says why and what
+    is accepted (a 4xx for API clients)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+class JobSubmission(BaseModel):
+    """What a user asks for (`gpupool jobs submit`, `POST /jobs`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    profile: str = Field(description="A profile the team may use, as on the spawn page (`h200-quarter`).")
+    team: str | None = Field(None, description="The team the job runs for (default: the user's only team, "
+                             "or the first of theirs the profile is offered to).")
+    command: list[str] = Field(min_length=1, description="The program and its arguments.")
+    max_restarts: int | None = Field(None, ge=0, description="Failed runs restarted (default and upper bound: "
+                                     "the policy's `jobs.restarts.max_restarts`).")
+    priority: Literal["low", "normal", "high"] | None = Field(
+        None, description="Within what the team allows (`teams.NAME.job_priorities`).")
+    preemptible: bool | None = Field(None, description="May be preempted by higher-priority work (default: "
+                                     "the profile's `preemptible`).")
+    checkpoint_dir: str | None = Field(None, description="Where `gpupool.train` keeps the checkpoints "
+                                       "(default: a folder of the job's in the team's storage, private).")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables.")
+    workdir: str | None = Field(None, description="Working directory (default: the user's home).")
+
+    @field_validator("command")
+    @classmethod
+    def _command(cls, command: list[str]) -> list[str]:
+        if not command[0].strip():
+            raise ValueError("the command's program is empty")
+        if any("\0" in part for part in command):
+            raise ValueError("the command contains a NUL character")
+        return command
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, env: dict[str, str]) -> dict[str, str]:
+        for name, value in env.items():
+            if not ENV_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not an environment variable name (accepted: letters, digits, _)")
+            if RESERVED_ENV.fullmatch(name):
+                raise ValueError(f"{name} is set by the platform (GPUPOOL_*, CUDA_*, JUPYTERHUB_*, "
+                                 "MLFLOW_TRACKING_*, NVIDIA_*, PATH, HOME, USER, LOGNAME cannot be given)")
+            if "\0" in value:
+                raise ValueError(f"the value of {name} contains a NUL character")
+        return env
+
+    @field_validator("workdir", "checkpoint_dir")
+    @classmethod
+    def _absolute(cls, path: str | None) -> str | None:
+        if path is not None and not path.startswith("/"):
+            raise ValueError(f"{path!r} is not an absolute path")
+        return path
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A submission with the policy's defaults filled in, checked."""
+
+    team: str
+    profile: str
+    priority: str
+    preemptible: bool
+    max_restarts: int
+
+
+def resolve(policy: Policy, user: str, teams: Iterable[str], submission: JobSubmission) -> Resolved:
+    """The submission of `user` (member of `teams`) as the policy allows it, or `JobRefused` saying why."""
+    teams = list(teams)
+    profile = policy.profiles.get(submission.profile)
+    if profile is None:
+        offered = sorted(policy.profiles_for_teams(set(teams)))
+        raise JobRefused(f"no profile {submission.profile!r} (options: {', '.join(offered) or 'none: you are in no team'})")
+    if submission.team is not None:
+        if submission.team not in teams:
+            raise JobRefused(f"{user} is not a member of team {submission.team!r} "
+                             f"(your teams: {', '.join(teams) or 'none'})", status=403)
+        team = submission.team
+    else:
+        candidates = [t for t in teams if t in profile.teams]
+        if not candidates:
+            raise JobRefused(f"profile {submission.profile!r} is not offered to your teams "
+                             f"({', '.join(teams) or 'none'}); it is for: {', '.join(profile.teams)}", status=403)
+        team = candidates[0]
+    if team not in profile.teams:
+        raise JobRefused(f"profile {submission.profile!r} is not offered to team {team!r} "
+                         f"(it is for: {', '.join(profile.teams)})", status=403)
+    allowed = policy.teams[team].job_priorities
+    priority = submission.priority or policy.default_job_priority(team)
+    if priority not in allowed:
+        raise JobRefused(f"team {team!r} may not run {priority}-priority jobs (allowed: {', '.join(allowed)})",
+                         status=403)
+    ceiling = policy.jobs.restarts.max_restarts
+    max_restarts = ceiling if submission.max_restarts is None else submission.max_restarts
+    if max_restarts > ceiling:
+        raise JobRefused(f"max_restarts {max_restarts} is above the policy's {ceiling} (jobs.restarts.max_restarts)")
+    preemptible = profile.preemptible if submission.preemptible is None else submission.preemptible
+    if profile.preemptible and not preemptible:
+        raise JobRefused(f"profile {submission.profile!r} is preemptible: its jobs are too")
+    return Resolved(team, submission.profile, priority, preemptible, max_restarts)
+
+
+def new_job_id() -> str:
+    return secrets.token_hex(6)
+
+
+@dataclass(frozen=True)
+class Run:
+    job_id: str
+    attempt: int
+    started_at: datetime
+    ended_at: datetime | None
+    event: str | None
+    exit_code: int | None
+    counted: bool
+    reason: str
+    pid: int | None
+    pid_started_ms: int | None
+    holding: str | None
+
+
+@dataclass(frozen=True)
+class Job:
+    id: str
+    user: str
+    team: str
+    profile: str
+    priority: str
+    preemptible: bool
+    command: tuple[str, ...]
+    env: Mapping[str, str]
+    workdir: str | None
+    checkpoint_dir: str | None
+    max_restarts: int
+    state: str
+    reason: str
+    restarts: int
+    runs: int
+    exit_code: int | None
+    cancel_requested: bool
+    submitted_at: datetime
+    queued_at: datetime
+    not_before: datetime | None
+    ended_at: datetime | None
+
+    @property
+    def ended(self) -> bool:
+        return self.state in db.JOB_ENDED
+
+    def as_json(self) -> dict[str, Any]:
+        """The job as the REST API and `gpupool jobs show --json` give it."""
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["command"], out["env"] = list(self.command), dict(self.env)
+        for key in ("submitted_at", "queued_at", "not_before", "ended_at"):
+            out[key] = out[key].isoformat().replace("+00:00", "Z") if out[key] is not None else None
+        return out
+
+
+def _job(row: Any) -> Job:
+    values = dict(row._mapping)
+    values.pop("submit_key", None)
+    values["command"] = tuple(json.loads(values["command"]))
+    values["env"] = json.loads(values["env"])
+    return Job(**values)
+
+
+def _run(row: Any) -> Run:
+    values = dict(row._mapping)
+    values.pop("id", None)
+    return Run(**values)
+
+
+class JobStore:
+    """The jobs table of the ledger's database (`engine`: the ledger's, migrated)."""
+
+    def __init__(self, engine: sa.Engine):
+        self.engine = engine
+        self._writer = db.writer(engine)
+
+    # --- submitting and reading ------------------------------------------------------------------------
+
+    def submit(self, user: str, resolved: Resolved, submission: JobSubmission, at: datetime,
+               key: str | None = None, checkpoint_dir: str | None = None) -> Job:
+        """A new queued job; with an idempotency `key` already used by `user`, that job (nothing new)."""
+        if key is not None:
+            key = f"{user}/{key}"
+            existing = self._by_key(key)
+            if existing is not None:
+                return existing
+        job_id = new_job_id()
+        values = {
+            "id": job_id, "submit_key": key, "user": user, "team": resolved.team, "profile": resolved.profile,
+            "priority": resolved.priority, "preemptible": resolved.preemptible,
+            "command": json.dumps(submission.command), "env": json.dumps(submission.env, sort_keys=True),
+            "workdir": submission.workdir, "checkpoint_dir": submission.checkpoint_dir or checkpoint_dir,
+            "max_restarts": resolved.max_restarts, "state": "queued", "reason": "in queue", "restarts": 0,
+            "runs": 0, "exit_code": None, "cancel_requested": False, "submitted_at": at, "queued_at": at,
+            "not_before": None, "ended_at": None,
+        }
+        try:
+            with self._writer.begin() as connection:
+                connection.execute(JOBS.insert().values(**values))
+        except sa.exc.IntegrityError:
+            existing = self._by_key(key) if key is not None else None
+            if existing is None:
+                raise
+            return existing  # the same submission, committed by another writer meanwhile
+        return self.get(job_id)
+
+    def _by_key(self, key: str) -> Job | None:
+        with self.engine.connect() as connection:
+            row = connection.execute(sa.select(JOBS).where(JOBS.c.submit_key == key)).first()
+        return None if row is None else _job(row)
+
+    def get(self, job_id: str) -> Job | None:
+        if not JOB_ID.fullmatch(job_id or ""):
+            return None
+        with self.engine.connect() as connection:
+            row = connection.execute(sa.select(JOBS).where(JOBS.c.id == job_id)).first()
+        return None if row is None else _job(row)
+
+    def jobs(self, *, users: Iterable[str] | None = None, teams: Iterable[str] | None = None,
+             states: Iterable[str] | None = None) -> list[Job]:
+        """Jobs of any of `users` or any of `teams` (both None: all), newest first."""
+        query = sa.select(JOBS)
+        who = []
+        if users is not None:
+            who.append(JOBS.c.user.in_(list(users)))
+        if teams is not None:
+            who.append(JOBS.c.team.in_(list(teams)))
+        if who:
+            query = query.where(sa.or_(*who))
+        if states is not None:
+            query = query.where(JOBS.c.state.in_(list(states)))
+        with self.engine.connect() as connection:
+            return [_job(r) for r in connection.execute(query.order_by(JOBS.c.submitted_at.desc(), JOBS.c.id))]
+
+    def waiting(self, at: datetime, priority_of: Any) -> list[Job]:
+        """Jobs that may be started now (queued, or restarting past their back-off), in queue order:
+        higher `priority_of(job)` first, then earlier `queued_at`."""
+        c = JOBS.c
+        query = sa.select(JOBS).where(sa.or_(c.state == "queued",
+                                             sa.and_(c.state == "restarting", c.not_before <= at)))
+        with self.engine.connect() as connection:
+            found = [_job(r) for r in connection.execute(query)]
+        return sorted(found, key=lambda j: (-priority_of(j), j.queued_at, j.id))
+
+    def runs(self, job_id: str) -> list[Run]:
+        with self.engine.connect() as connection:
+            rows = connection.execute(sa.select(RUNS).where(RUNS.c.job_id == job_id).order_by(RUNS.c.attempt))
+            return [_run(r) for r in rows]
+
+    def running(self) -> list[tuple[Job, Run]]:
+        """Running jobs with their open run (what a runner re-adopts after a restart)."""
+        query = (sa.select(JOBS, RUNS.c.attempt).join(RUNS, RUNS.c.job_id == JOBS.c.id)
+                 .where(JOBS.c.state == "running", RUNS.c.ended_at.is_(None)))
+        with self.engine.connect() as connection:
+            pairs = [(r.id, r.attempt) for r in connection.execute(query)]
+        return [(self.get(job_id), next(r for r in self.runs(job_id) if r.attempt == attempt))
+                for job_id, attempt in pairs]
+
+    # --- changes -----------------------------------------------------------------------------------------
+
+    def start_run(self, job_id: str, at: datetime, *, pid: int | None = None, pid_started_ms: int | None = None,
+                  holding: str | None = None) -> Run | None:
+        """The job's next run begins (it was waiting): its attempt; None if it is not waiting any more (it
+        was cancelled, or another writer started it)."""
+        with self._writer.begin() as connection:
+            row = connection.execute(sa.select(JOBS.c.runs, JOBS.c.state, JOBS.c.cancel_requested)
+                                     .where(JOBS.c.id == job_id).with_for_update()).first()
+            if row is None or row.state not in ("queued", "restarting") or row.cancel_requested:
+                return None
+            attempt = row.runs + 1
+            changed = connection.execute(
+                JOBS.update().where(JOBS.c.id == job_id, JOBS.c.runs == row.runs,
+                                    JOBS.c.state.in_(("queued", "restarting")))
+                .values(state="running", runs=attempt, not_before=None, reason=f"running (run {attempt})"))
+            if changed.rowcount != 1:
+                return None
+            connection.execute(RUNS.insert().values(
+                job_id=job_id, attempt=attempt, started_at=at, ended_at=None, event=None, exit_code=None,
+                counted=False, reason="", pid=pid, pid_started_ms=pid_started_ms, holding=holding))
+        return next(r for r in self.runs(job_id) if r.attempt == attempt)
+
+    def set_process(self, job_id: str, attempt: int, pid: int, pid_started_ms: int) -> None:
+        """The run's process, once it exists (started after `start_run` recorded the attempt)."""
+        with self._writer.begin() as connection:
+            connection.execute(RUNS.update().where(RUNS.c.job_id == job_id, RUNS.c.attempt == attempt,
+                                                   RUNS.c.ended_at.is_(None))
+                               .values(pid=pid, pid_started_ms=pid_started_ms))
+
+    def end_run(self, job_id: str, attempt: int, ended: Ended, at: datetime, policy: Policy) -> Next | None:
+        """Run `attempt` ended (`ended`): record it and move the job on by the restart rules; what follows,
+        or None when that run had already ended (the same end reported twice changes nothing)."""
+        with self._writer.begin() as connection:
+            job = connection.execute(sa.select(JOBS).where(JOBS.c.id == job_id).with_for_update()).first()
+            run = connection.execute(sa.select(RUNS).where(RUNS.c.job_id == job_id, RUNS.c.attempt == attempt)).first()
+            if job is None or run is None or run.ended_at is not None:
+                return None
+            if job.cancel_requested and ended.event is not Event.SUCCEEDED:
+                ended = Ended(Event.CANCELLED, ended.exit_code)  # whatever the stop looked like to the runner
+            following = after_run(ended, counted=job.restarts, max_restarts=job.max_restarts,
+                                  rules=policy.jobs.restarts)
+            end = max(at, run.started_at)
+            connection.execute(RUNS.update().where(RUNS.c.id == run.id, RUNS.c.ended_at.is_(None)).values(
+                ended_at=end, event=ended.event.value, exit_code=ended.exit_code, counted=following.counts,
+                reason=following.reason))
+            state = STATE_AFTER[following.action]
+            values: dict[str, Any] = {"state": state, "reason": following.reason,
+                                      "restarts": job.restarts + following.counts, "exit_code": ended.exit_code}
+            if state in db.JOB_ENDED:
+                values["ended_at"] = end
+            elif following.action is Action.RESTART:
+                values["not_before"] = end + timedelta(seconds=following.delay_seconds)
+                values["queued_at"] = end  # a failed run goes to the back of its priority
+            # requeued (preempted, node lost, the platform restarted): its place in the queue is kept
+            connection.execute(JOBS.update().where(JOBS.c.id == job_id).values(**values))
+        return following
+
+    def cancel(self, job_id: str, at: datetime) -> Job | None:
+        """Cancel: a job that waits ends at once (it never starts); a running one is marked, and its runner
+        stops it (SIGTERM, grace, SIGKILL) and ends its run as cancelled. An ended job stays as it is."""
+        with self._writer.begin() as connection:
+            connection.execute(JOBS.update().where(JOBS.c.id == job_id,
+                                                   JOBS.c.state.in_(("queued", "restarting", "suspended")))
+                               .values(state="cancelled", ended_at=at, cancel_requested=True,
+                                       reason=sa.case((JOBS.c.runs == 0, "cancelled while queued: it never ran"),
+                                                      else_="cancelled while waiting to run again")))
+            connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state == "running")
+                               .values(cancel_requested=True, reason="cancelling: stopping its run"))
+        return self.get(job_id)
+
+    def resume(self, job_id: str, at: datetime) -> Job | None:
+        """A suspended job goes back to the queue, at its place."""
+        with self._writer.begin() as connection:
+            connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state == "suspended")
+                               .values(state="queued", reason="in queue (resumed)"))
+        return self.get(job_id)
+
+
+def priority_order(policy: Policy) -> Any:
+    """`JobStore.waiting`'s order for `policy`: the team's priority plus the job's priority offset."""
+    known = set(JOB_PRIORITIES)
+
+    def priority_of(job: Job) -> int:
+        if job.team not in policy.teams or job.priority not in known:
+            return -1  # a team the policy no longer has: behind everything
+        return policy.job_priority(job.team, job.priority)
+
+    return priority_of
