@@ -233,3 +233,20 @@ def test_sigterm_mid_run_saves_at_the_step_boundary_and_resumes_there(tmp_path):
     assert steps_of(out) == list(range(1, steps + 1))  # nothing redone
     whole, again = torch.load(tmp_path / "whole" / "final.pt"), torch.load(out / "final.pt")
     assert all(torch.equal(whole[name], again[name]) for name in whole)
+
+
+def test_the_worked_example_in_the_docs_trains_and_resumes(tmp_path):
+    # docs/jobs.md's loop, as a user runs it: `python train.py` in a folder of theirs, then again.
+    text = (HERE.parent / "docs" / "jobs.md").read_text()
+    start = text.index("```python\nimport itertools, torch")
+    (tmp_path / "train.py").write_text(text[text.index("\n", start) + 1:text.index("```\n", start + 10)])
+    env = {k: v for k, v in os.environ.items() if k != "GPUPOOL_CHECKPOINT_DIR"}
+    first = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.strip() == "trained to step 300"
+    ckpt = Checkpoints(tmp_path / "checkpoints" / "demo", handle_sigterm=False)
+    assert [c.step for c in ckpt.committed()] == [250, 300]  # every 50, the newest two kept
+    again = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0 and again.stdout.strip() == "trained to step 300"  # resumed at the end: done

@@ -60,6 +60,7 @@ def main(argv: list[str]) -> int:
         if ckpt.resumed is not None:
             print(f"resumed from step {step}", flush=True)
 
+    began = time.perf_counter()
     with (args.out / "steps").open("a") as log:
         while step < args.steps:
             # Each epoch's order comes from the seed and the epoch: a resumed run sees the same batches.
@@ -85,6 +86,7 @@ def main(argv: list[str]) -> int:
             else:
                 epoch, batch = epoch + 1, 0
     torch.save(model.state_dict(), args.out / "final.pt")
+    print(f"loop seconds {time.perf_counter() - began:.6f}", flush=True)
     return 0
 
 
