@@ -250,3 +250,70 @@ def test_the_worked_example_in_the_docs_trains_and_resumes(tmp_path):
     again = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                            timeout=300)
     assert again.returncode == 0 and again.stdout.strip() == "trained to step 300"  # resumed at the end: done
+
+
+# --- transformers: the Trainer's checkpoints committed, SIGTERM a save and a stop ----------------------------
+
+HF_LOOP = """
+import sys, time
+from pathlib import Path
+import torch
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from gpupool.train import should_stop
+from gpupool.train.hf import CommitCheckpoints, last_committed_checkpoint
+
+out, pause_at = Path(sys.argv[1]), int(sys.argv[2])
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 1)
+    def forward(self, x, labels):
+        return {"loss": nn.functional.mse_loss(self.layer(x), labels)}
+
+class Pause(TrainerCallback):  # waits at step `pause_at` to be told to stop (SIGTERM)
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == pause_at:
+            (out / "paused").write_text("")
+            while not should_stop():
+                time.sleep(0.01)
+
+g = torch.Generator().manual_seed(0)
+data = [{"x": x, "labels": x.sum(dim=0, keepdim=True)} for x in torch.randn(64, 4, generator=g)]
+args = TrainingArguments(output_dir=str(out), max_steps=40, save_steps=10, save_total_limit=2,
+                         per_device_train_batch_size=8, report_to="none", use_cpu=True, logging_strategy="no",
+                         disable_tqdm=True, seed=1)
+trainer = Trainer(model=Model(), args=args, train_dataset=data, callbacks=[Pause(), CommitCheckpoints()])
+resume = last_committed_checkpoint(out)
+print("resume", resume, flush=True)
+trainer.train(resume_from_checkpoint=resume)
+print("stopped at", trainer.state.global_step, flush=True)
+"""
+
+
+def test_a_trainer_stopped_by_sigterm_saves_commits_and_resumes_past_a_torn_checkpoint(tmp_path):
+    from gpupool.train.checkpoints import read_commit
+    from gpupool.train.hf import last_committed_checkpoint
+
+    out = tmp_path / "run"
+    out.mkdir()
+    first = run_python(HF_LOOP, str(out), "25")
+    wait_for_file(out / "paused", first, timeout=300)
+    first.send_signal(signal.SIGTERM)  # a preemption: saved at step 25, then the Trainer stops
+    said, err = first.communicate(timeout=300)
+    assert first.returncode == 0, err[-3000:]
+    assert "stopped at 25" in said
+    assert read_commit(out / "checkpoint-25", 25) is not None and read_commit(out / "checkpoint-20", 20) is not None
+    # A save killed half-way leaves a newer folder without its commit: never resumed from.
+    torn = out / "checkpoint-30"
+    torn.mkdir()
+    (torn / "model.safetensors").write_bytes(b"\0" * 10)
+    assert last_committed_checkpoint(out) == str(out / "checkpoint-25")
+    again = run_python(HF_LOOP, str(out), "0")
+    said, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err[-3000:]
+    assert f"resume {out / 'checkpoint-25'}" in said and "stopped at 40" in said
+    assert last_committed_checkpoint(out) == str(out / "checkpoint-40")
+    state = json.loads((out / "checkpoint-40" / "trainer_state.json").read_text())
+    assert state["global_step"] == 40

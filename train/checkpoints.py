@@ -118,11 +118,14 @@ class Checkpoint:
 def _read_marker(folder: Path) -> Checkpoint | None:
     """The checkpoint in `folder` if it is committed and whole, else None (torn, uncommitted, foreign)."""
     match = _STEP.fullmatch(folder.name)
-    if match is None:
-        return None
+    return None if match is None else read_commit(folder, int(match.group(1)))
+
+
+def read_commit(folder: Path, step: int) -> Checkpoint | None:
+    """The checkpoint of `step` in `folder` if its commit marker is there and agrees with the files."""
     try:
         marker = json.loads((folder / MARKER).read_text())
-        if marker.get("format") != FORMAT or marker.get("step") != int(match.group(1)):
+        if marker.get("format") != FORMAT or marker.get("step") != step:
             return None
         files = {str(name): int(size) for name, size in marker["files"].items()}
         for name, size in files.items():
@@ -131,6 +134,26 @@ def _read_marker(folder: Path) -> Checkpoint | None:
         return Checkpoint(marker["step"], folder, files, marker.get("metadata") or {}, float(marker.get("saved_at", 0)))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def commit(folder: Path, step: int, metadata: Mapping[str, Any] | None = None) -> Checkpoint:
+    """Commit what is in `folder` as checkpoint `step`: fsync every file and folder in it, then write the
+    marker (its files and their sizes) last, fsynced. For a folder another library wrote in place (the
+    transformers Trainer's `checkpoint-N`): a reader that trusts only committed folders then skips one that
+    was torn mid-write."""
+    folder = Path(folder)
+    extra = json.loads(json.dumps(dict(metadata or {})))
+    (folder / MARKER).unlink(missing_ok=True)
+    files = {p.name: _size(p) for p in sorted(folder.iterdir())}
+    _fsync_tree(folder)
+    saved_at = time.time()
+    with (folder / MARKER).open("w") as f:
+        json.dump({"format": FORMAT, "step": step, "files": files, "saved_at": saved_at, "metadata": extra}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_folder(folder)
+    _fsync_folder(folder.parent)
+    return Checkpoint(step, folder, files, extra, saved_at)
 
 
 class Checkpoints:

@@ -1,0 +1,61 @@
+"""gpupool.train in a transformers `Trainer`: its checkpoints committed, a torn one never resumed from, and
+SIGTERM (a preemption, a cancel) turned into a save and a clean stop at the next step.
+
+    trainer = Trainer(..., args=TrainingArguments(output_dir=out, save_steps=100, save_total_limit=2),
+                      callbacks=[CommitCheckpoints()])
+    trainer.train(resume_from_checkpoint=last_committed_checkpoint(out))
+
+The Trainer writes `checkpoint-N` in place (model, optimizer, scheduler, RNG and trainer state); once it has,
+the callback fsyncs the folder and writes gpupool's commit marker into it. `resume_from_checkpoint=True` would
+take the newest `checkpoint-*` folder whatever state it is in; `last_committed_checkpoint` takes the newest
+committed one. The Trainer removes checkpoints beyond `save_total_limit` before the callback commits the new
+one: keep `save_total_limit` at 2 or more so a committed one is always left.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from gpupool.train.checkpoints import commit, install_sigterm_handler, read_commit, should_stop
+
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)")
+
+
+class CommitCheckpoints(TrainerCallback):
+    """Commits every checkpoint the Trainer saves; on SIGTERM saves at the next step and stops training."""
+
+    def __init__(self):
+        install_sigterm_handler()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if should_stop():
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if folder.is_dir():
+                commit(folder, state.global_step, {"epoch": state.epoch})
+        return control
+
+
+def last_committed_checkpoint(output_dir: str | Path) -> str | None:
+    """The newest `checkpoint-N` in `output_dir` that was committed and is whole (for `resume_from_checkpoint`),
+    or None: start from scratch."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return None
+    found = []
+    for folder in output_dir.iterdir():
+        match = _CHECKPOINT.fullmatch(folder.name)
+        if match and folder.is_dir():
+            found.append((int(match.group(1)), folder))
+    for step, folder in sorted(found, reverse=True):
+        if read_commit(folder, step) is not None:
+            return str(folder)
+    return None
