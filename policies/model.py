@@ -520,8 +520,9 @@ class Jobs(Strict):
     preemption: Preemption = Field(Preemption(), description="Who may preempt whom.")
     checkpoint_claim: str | None = Field(
         None, pattern=DNS_LABEL.pattern,
-        description="Kubernetes mode: the PersistentVolumeClaim jobs keep their checkpoints on (a folder per "
-        "user and job in it); without it checkpoints go to the pod's team storage mount.",
+        description="Kubernetes mode: the PersistentVolumeClaim jobs keep their checkpoints on (each job mounts "
+        "its own `USER/JOB` folder of it and finds it in `GPUPOOL_CHECKPOINT_DIR`); without it a job's pod has "
+        "no checkpoint folder.",
     )
 
     @model_validator(mode="after")

@@ -117,6 +117,35 @@ def volcano_binding(team: str, preemptible: bool, deprioritized: bool) -> Volcan
     )
 
 
+@dataclass(frozen=True)
+class ChoicePod:
+    """What a checked choice puts on any pod of gpupool's, a notebook's or a training job's, before the
+    configured baseline is merged in: the share's resources and placement, the labels and annotations."""
+
+    #: The share's extended resources as quantities, for the limits and, equal to them, the requests.
+    resources: dict[str, str]
+    node_selector: dict[str, str]
+    tolerations: list[dict[str, str]]
+    labels: dict[str, str]
+    annotations: dict[str, str]
+
+
+def choice_pod(choice: Choice, policy: Policy, gpu: GPUResources | None, binding: VolcanoBinding) -> ChoicePod:
+    """The pod side of `choice` whose share is `gpu` (`resources.profile_gpu`), bound by `binding`."""
+    profile = choice.profile
+    labels = {TEAM_LABEL: choice.team, PROFILE_LABEL: choice.slug}
+    if profile.gpu is not None:
+        labels[MODEL_LABEL] = safe_slug(profile.gpu.model, is_valid=is_valid_label)
+    return ChoicePod(
+        resources={name: str(value) for name, value in (gpu.limits if gpu else {}).items()},
+        node_selector=dict(gpu.node_selector) if gpu else {},
+        tolerations=[dict(toleration) for toleration in gpu.tolerations] if gpu else [],
+        labels=labels,
+        annotations={**(gpu.annotations if gpu else {}), **binding.annotations,
+                     SHARE_ANNOTATION: str(profile_share(profile, policy))},
+    )
+
+
 def policy_priorities(policy: Policy) -> dict[str, int]:
     """The values of the PriorityClasses rendered from `policy`, to order a queue's PodGroups as Volcano does.
 
@@ -311,16 +340,16 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         # nothing of the first; the baseline is a deep copy and the traits get new objects.
         base = self._baseline()
         profile = choice.profile
-        gpu = self.gpu_resources(choice)
-        limits = {name: str(value) for name, value in (gpu.limits if gpu else {}).items()}
-        self.extra_resource_limits = {**base["extra_resource_limits"], **limits}
+        binding = self.binding(choice)
+        pod = choice_pod(choice, self.policy, self.gpu_resources(choice), binding)
+        self.extra_resource_limits = {**base["extra_resource_limits"], **pod.resources}
         # Extended resources cannot be overcommitted: Kubernetes wants requests equal to limits.
-        self.extra_resource_guarantees = {**base["extra_resource_guarantees"], **limits}
-        self.node_selector = {**base["node_selector"], **(gpu.node_selector if gpu else {})}
+        self.extra_resource_guarantees = {**base["extra_resource_guarantees"], **pod.resources}
+        self.node_selector = {**base["node_selector"], **pod.node_selector}
         tolerations = list(self._sorted_dict_values(base["tolerations"]) or [])
-        for toleration in gpu.tolerations if gpu else []:
+        for toleration in pod.tolerations:
             if toleration not in tolerations:
-                tolerations.append(dict(toleration))
+                tolerations.append(toleration)
         self.tolerations = tolerations
         self.cpu_limit = float(parse_quantity(profile.cpu.limit)) if profile.cpu.limit else base["cpu_limit"]
         self.cpu_guarantee = (float(parse_quantity(profile.cpu.guarantee)) if profile.cpu.guarantee
@@ -330,17 +359,10 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
                               else base["mem_guarantee"])
         self.image = profile.images[choice.image].image if choice.image else base["image"]
 
-        binding = self.binding(choice)
         self.scheduler_name = binding.scheduler_name
         self.priority_class_name = binding.priority_class_name
-        labels = {TEAM_LABEL: choice.team, PROFILE_LABEL: choice.slug}
-        if profile.gpu is not None:
-            labels[MODEL_LABEL] = safe_slug(profile.gpu.model, is_valid=is_valid_label)
-        self.extra_labels = {**base["extra_labels"], **labels}
-        self.extra_annotations = {
-            **base["extra_annotations"], **(gpu.annotations if gpu else {}), **binding.annotations,
-            SHARE_ANNOTATION: str(profile_share(profile, self.policy)),
-        }
+        self.extra_labels = {**base["extra_labels"], **pod.labels}
+        self.extra_annotations = {**base["extra_annotations"], **pod.annotations}
         # The hub waits `start_timeout` for start() as a whole, queue included; the queue's own limit comes
         # from policy and `_watch_queue` enforces both, counting start_timeout from admission only. The
         # margin covers the pod creation KubeSpawner may retry before the queue even sees the pod.

@@ -42,6 +42,17 @@ def mlflow_env(url: str, token: str, team: str | None) -> dict[str, str]:
     return env
 
 
+def choice_env(choice: Choice, policy: Policy) -> dict[str, str]:
+    """What a server or a training job of `choice` runs as, for the user's code and `gpupool` in it."""
+    env = {}
+    env["GPUPOOL_TEAM"] = choice.team
+    env["GPUPOOL_PROFILE"] = choice.slug
+    env["GPUPOOL_SHARE"] = str(profile_share(choice.profile, policy))
+    if choice.profile.gpu is not None:
+        env["GPUPOOL_GPU_MODEL"] = choice.profile.gpu.model
+    return env
+
+
 class AdmissionRefused(SpawnException):
     """A spawn the pool refused or gave up on, as JupyterHub's `SpawnException` with the reason code.
 
@@ -148,12 +159,8 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
         choice = self.gpupool_choice
         if self.mlflow_url and env.get("JUPYTERHUB_API_TOKEN"):
             env.update(mlflow_env(self.mlflow_url, env["JUPYTERHUB_API_TOKEN"], choice.team if choice else None))
-        if choice is not None:  # what the server runs as, for the user's code and `gpupool` in the server
-            env["GPUPOOL_TEAM"] = choice.team
-            env["GPUPOOL_PROFILE"] = choice.slug
-            env["GPUPOOL_SHARE"] = str(profile_share(choice.profile, self.policy))
-            if choice.profile.gpu is not None:
-                env["GPUPOOL_GPU_MODEL"] = choice.profile.gpu.model
+        if choice is not None:
+            env.update(choice_env(choice, self.policy))
         return env
 
     @property

@@ -1,0 +1,306 @@
+"""A gpupool training job as a Volcano Job (`batch.volcano.sh/v1alpha1`), and a Volcano Job's status in
+gpupool's words. Pure functions, no I/O: submitting and watching are the Kubernetes job watcher's.
+
+The pod asks for the share exactly as a notebook of the same profile does (`kube.choice_pod`), in the team's
+queue with the team's PriorityClass (`kube.volcano_binding`); what Volcano does on each event is a table
+(`restart_policies`) made from the job's `max_restarts` and the policy's exit-code rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from gpupool.hub.accounting.jobs import ENV_NAME, RESERVED_ENV, Job
+from gpupool.policies.choice import check_choice
+from gpupool.policies.identity import username_problem
+from gpupool.policies.model import DNS_LABEL, Policy, Restarts
+from gpupool.policies.resources import profile_gpu
+from gpupool.spawner.kube import PREEMPTABLE_ANNOTATION, choice_pod, volcano_binding
+from gpupool.spawner.mixin import choice_env
+from gpupool.spawner.volcano import Release, labels, team_queue
+from gpupool.train import CHECKPOINT_DIR_ENV
+
+JOB_API_VERSION = "batch.volcano.sh/v1alpha1"
+JOB_PREFIX = "gpupool-job-"
+#: Volcano labels every pod with the Job's name (`volcano.sh/job-name`): a label value, at most 63 characters.
+MAX_JOB_NAME = 63
+TASK = "train"
+CHECKPOINT_VOLUME = "checkpoints"
+#: Where the checkpoint claim is mounted when the job names no folder of its own.
+DEFAULT_CHECKPOINT_MOUNT = "/checkpoints"
+
+JOB_ID_LABEL = "gpupool.io/job-id"
+USER_LABEL = "gpupool.io/user"
+JOB_ID_ENV = "GPUPOOL_JOB_ID"
+#: Volcano's count of the Job's restarts when the pod was made (every cause: evictions too), from the
+#: annotation Volcano's controller writes on each pod; empty with a Volcano that does not write it.
+RETRY_COUNT_ENV = "GPUPOOL_VOLCANO_RETRY_COUNT"
+RETRY_COUNT_ANNOTATION = "volcano.sh/job-retry-count"
+
+#: Volcano restarts beyond the user's `max_restarts` that `maxRetry` leaves for evictions (preemption, a
+#: drained or lost node) and always-retried exit codes, which Volcano counts as retries and gpupool does not.
+#: A bound, not a budget: gpupool counts the failures itself (`hub.accounting.restarts`) and ends a job that
+#: used up its restarts; this only stops a crash loop while nothing of the platform is watching.
+EVICTION_HEADROOM = 100
+#: A container's exit code, as Volcano matches `exitCode` policies (a signal N gives 128+N); Volcano refuses 0.
+CONTAINER_EXIT_CODES = range(1, 256)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One training job as the cluster runs it: who, what, on which profile, and how it restarts."""
+
+    job_id: str
+    user: str
+    team: str
+    profile: str
+    command: tuple[str, ...]
+    #: A key of the profile's images; None: the profile's default one, or the platform's for a profile without.
+    image: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    max_restarts: int = 0
+    #: Preemptible work by the job's own choice (a preemptible profile makes every job of it preemptible).
+    preemptible: bool = False
+    #: Admitted beyond an exhausted budget (`on_exhausted: deprioritize`): lowest priority, preemptable.
+    deprioritized: bool = False
+    grace_seconds: int = 60
+    #: The PersistentVolumeClaim the checkpoints live on; None: the job has no checkpoint folder.
+    checkpoint_claim: str | None = None
+    checkpoint_mount: str = DEFAULT_CHECKPOINT_MOUNT
+
+    @classmethod
+    def from_job(cls, job: Job, policy: Policy, *, deprioritized: bool, image: str | None = None) -> JobSpec:
+        """The spec of a job of the ledger's database: grace period and checkpoint claim from `policy.jobs`."""
+        return cls(job_id=job.id, user=job.user, team=job.team, profile=job.profile, command=tuple(job.command),
+                   image=image, env=dict(job.env), workdir=job.workdir, max_restarts=job.max_restarts,
+                   preemptible=job.preemptible, deprioritized=deprioritized, grace_seconds=policy.jobs.grace_seconds,
+                   checkpoint_claim=policy.jobs.checkpoint_claim,
+                   checkpoint_mount=job.checkpoint_dir or DEFAULT_CHECKPOINT_MOUNT)
+
+
+def job_name(job_id: str) -> str:
+    """The Volcano Job of gpupool job `job_id`: one name per id, a DNS label (its pods are `<name>-train-0`)."""
+    longest = MAX_JOB_NAME - len(JOB_PREFIX)
+    if not isinstance(job_id, str) or not DNS_LABEL.fullmatch(job_id) or len(job_id) > longest:
+        raise ValueError(f"job id {job_id!r} cannot name a Volcano Job (accepted: lower-case letters, digits and "
+                         f"'-', starting and ending with a letter or digit, at most {longest} characters)")
+    return JOB_PREFIX + job_id
+
+
+def restart_policies(max_restarts: int, rules: Restarts) -> list[dict[str, Any]]:
+    """What Volcano does on each event, first match wins (exit codes before `PodFailed`, which they refine).
+
+    A pod evicted (preempted, its node drained or lost) restarts the Job and never counts against
+    `max_restarts`. A failed run restarts when restarts are allowed; with `max_restarts` 0 no `PodFailed`
+    entry is there, and Volcano ends the Job `Failed` when its one pod fails: `maxRetry` cannot say "no
+    retries" (Volcano reads 0 as its default, 3). Exit codes the policy never retries end the Job at once
+    (`TerminateJob`: the failed pod is kept, its exit code readable); always-retried ones restart it.
+    Volcano restarts at once: the policy's back-off (`jobs.restarts.backoff_seconds`) has no Volcano
+    equivalent. A kubelet's node-pressure eviction ends the pod `Failed` (reason `Evicted`), which Volcano
+    reports as `PodFailed`: only the pod's `status.reason` tells it from a failure.
+    """
+    policies: list[dict[str, Any]] = [{"event": "PodEvicted", "action": "RestartJob"}]
+    policies += [{"exitCode": code, "action": "TerminateJob"}
+                 for code in sorted(set(rules.never_retry_exit_codes)) if code in CONTAINER_EXIT_CODES]
+    policies += [{"exitCode": code, "action": "RestartJob"}
+                 for code in sorted(set(rules.always_retry_exit_codes)) if code in CONTAINER_EXIT_CODES]
+    if max_restarts > 0:
+        policies.append({"event": "PodFailed", "action": "RestartJob"})
+    policies.append({"event": "TaskCompleted", "action": "CompleteJob"})
+    return policies
+
+
+def _absolute_path(what: str, path: str) -> None:
+    if not isinstance(path, str) or not path.startswith("/") or ":" in path or "\0" in path:
+        raise ValueError(f"{what} {path!r} is not an absolute path without ':' (accepted: e.g. /checkpoints)")
+
+
+def _check(spec: JobSpec, namespace: str) -> None:
+    """ValueError naming what of `spec` the cluster would refuse (or gpupool must not pass on)."""
+    if not DNS_LABEL.fullmatch(namespace) or len(namespace) > 63:
+        raise ValueError(f"namespace {namespace!r} is not a DNS label (accepted: lower-case letters, digits and "
+                         "'-', starting and ending with a letter or digit, at most 63 characters)")
+    problem = username_problem(spec.user)
+    if problem:
+        raise ValueError(problem)
+    if not spec.command or not all(isinstance(part, str) for part in spec.command) or not spec.command[0].strip():
+        raise ValueError(f"a job's command is its program and arguments, strings, the program first; "
+                         f"got {spec.command!r}")
+    for name, value in spec.env.items():
+        if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not an environment variable name (accepted: letters, digits, _)")
+        if RESERVED_ENV.fullmatch(name):
+            raise ValueError(f"{name} is set by the platform (GPUPOOL_*, CUDA_*, JUPYTERHUB_*, MLFLOW_TRACKING_*, "
+                             "NVIDIA_*, PATH, HOME, USER, LOGNAME cannot be given)")
+        if not isinstance(value, str):
+            raise ValueError(f"the value of {name} is not a string: {value!r}")
+    if spec.workdir is not None:
+        _absolute_path("working directory", spec.workdir)
+    for what, number in (("max_restarts", spec.max_restarts), ("grace_seconds", spec.grace_seconds)):
+        if not isinstance(number, int) or isinstance(number, bool) or number < 0:
+            raise ValueError(f"{what} is a whole number ≥ 0, not {number!r}")
+    if spec.checkpoint_claim is not None:
+        if not DNS_LABEL.fullmatch(spec.checkpoint_claim) or len(spec.checkpoint_claim) > 63:
+            raise ValueError(f"checkpoint claim {spec.checkpoint_claim!r} is not a PersistentVolumeClaim name "
+                             "(accepted: lower-case letters, digits and '-', at most 63 characters)")
+        _absolute_path("checkpoint folder", spec.checkpoint_mount)
+
+
+def volcano_job(spec: JobSpec, policy: Policy, release: Release, namespace: str, *,
+                default_image: str) -> dict[str, Any]:
+    """The Volcano Job that runs `spec` in `namespace`, as JSON-able data; ValueError naming what is wrong.
+
+    The profile is checked as a server's choice is (`check_choice`: it must be offered to the team, the image
+    one of the profile's); `default_image` runs profiles without image choices (the hub's notebook image).
+    `maxRetry` is `max_restarts` plus `EVICTION_HEADROOM`: Volcano counts every restart (evictions, suspends,
+    always-retried exit codes) in `status.retryCount`, so preemption must not be able to use up the user's
+    restarts there; gpupool counts failures itself, with their causes, and ends a job past `max_restarts`.
+    With a checkpoint claim the pod mounts the claim's folder `<user>/<job id>` (created by the kubelet) at
+    `checkpoint_mount`, which `GPUPOOL_CHECKPOINT_DIR` names: a job sees its own checkpoints only, and they
+    outlive its pods. Without one there is no checkpoint folder (`gpupool.train` then asks for one): a folder
+    in the container would not survive a restart.
+    """
+    name = job_name(spec.job_id)
+    _check(spec, namespace)
+    if spec.team not in policy.teams:
+        raise ValueError(f"no team {spec.team!r} in the policy (teams: {', '.join(policy.teams)})")
+    options = {"profile": spec.profile, "team": spec.team, **({"image": spec.image} if spec.image else {})}
+    choice = check_choice(policy, spec.user, [spec.team], options)  # ChoiceRefused is a ValueError
+    profile = choice.profile
+    binding = volcano_binding(spec.team, profile.preemptible or spec.preemptible, spec.deprioritized)
+    pod = choice_pod(choice, policy, profile_gpu(profile, policy), binding)
+
+    limits = {**({"cpu": profile.cpu.limit} if profile.cpu.limit else {}),
+              **({"memory": profile.memory.limit} if profile.memory.limit else {}), **pod.resources}
+    requests = {**({"cpu": profile.cpu.guarantee} if profile.cpu.guarantee else {}),
+                **({"memory": profile.memory.guarantee} if profile.memory.guarantee else {}), **pod.resources}
+    # The platform's variables first: the user's may refer to them as $(GPUPOOL_CHECKPOINT_DIR).
+    platform = {JOB_ID_ENV: spec.job_id, **choice_env(choice, policy)}
+    if spec.checkpoint_claim is not None:
+        platform[CHECKPOINT_DIR_ENV] = spec.checkpoint_mount
+    env: list[dict[str, Any]] = [{"name": key, "value": value} for key, value in platform.items()]
+    env.append({"name": RETRY_COUNT_ENV,
+                "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{RETRY_COUNT_ANNOTATION}']"}}})
+    env += [{"name": key, "value": value} for key, value in spec.env.items()]
+
+    container: dict[str, Any] = {
+        "name": TASK,
+        "image": profile.images[choice.image].image if choice.image else default_image,
+        "command": list(spec.command),
+        "env": env,
+        "resources": {**({"limits": limits} if limits else {}), **({"requests": requests} if requests else {})},
+    }
+    if spec.workdir is not None:
+        container["workingDir"] = spec.workdir
+    pod_spec: dict[str, Any] = {
+        "schedulerName": binding.scheduler_name,
+        "priorityClassName": binding.priority_class_name,
+        # Volcano replaces the whole pod on a restart; the kubelet restarting a container in place would
+        # hide the failure from Volcano's policies and from gpupool's count.
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": spec.grace_seconds,
+        # A job, like a notebook, holds no Kubernetes credentials.
+        "automountServiceAccountToken": False,
+        "containers": [container],
+    }
+    if pod.node_selector:
+        pod_spec["nodeSelector"] = pod.node_selector
+    if pod.tolerations:
+        pod_spec["tolerations"] = pod.tolerations
+    if spec.checkpoint_claim is not None:
+        # In the pod template rather than Volcano's `spec.volumes`, which cannot mount a folder of a claim.
+        container["volumeMounts"] = [{"name": CHECKPOINT_VOLUME, "mountPath": spec.checkpoint_mount,
+                                      "subPath": f"{spec.user}/{spec.job_id}"}]
+        pod_spec["volumes"] = [{"name": CHECKPOINT_VOLUME,
+                                "persistentVolumeClaim": {"claimName": spec.checkpoint_claim}}]
+
+    job_labels = {**labels(release, "job", spec.team), **pod.labels, JOB_ID_LABEL: spec.job_id,
+                  USER_LABEL: spec.user}
+    return {
+        "apiVersion": JOB_API_VERSION,
+        "kind": "Job",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": job_labels,
+            # Volcano copies it to the pods and reads it for the whole Job's PodGroup when it preempts.
+            "annotations": {PREEMPTABLE_ANNOTATION: binding.annotations[PREEMPTABLE_ANNOTATION]},
+        },
+        "spec": {
+            "schedulerName": binding.scheduler_name,
+            "queue": team_queue(spec.team),
+            "priorityClassName": binding.priority_class_name,
+            "minAvailable": 1,
+            "maxRetry": spec.max_restarts + EVICTION_HEADROOM,
+            "policies": restart_policies(spec.max_restarts, policy.jobs.restarts),
+            "tasks": [{
+                "name": TASK,
+                "replicas": 1,
+                "minAvailable": 1,
+                "template": {"metadata": {"labels": dict(job_labels), "annotations": pod.annotations},
+                             "spec": pod_spec},
+            }],
+        },
+    }
+
+
+# --- a Volcano Job's status in gpupool's words ------------------------------------------------------------
+
+
+class VolcanoJobState(NamedTuple):
+    """Where a Volcano Job stands: a job state of gpupool's (`db.JOB_STATES`), Volcano's restart count
+    (`status.retryCount`: every restart, evictions included, not the user's counted restarts) and why."""
+
+    state: str
+    retries: int
+    reason: str
+
+
+#: Volcano's phases (the CRD's `status.state.phase`) → gpupool's state and words. Terminating/Terminated
+#: are decided in `job_state`: by a failed pod (a never-retried exit code) or by a command (a cancel).
+PHASES: dict[str, tuple[str, str]] = {
+    "Pending": ("queued", "waiting in Volcano's queue"),
+    "Running": ("running", "running"),
+    "Restarting": ("restarting", "Volcano is replacing its pod"),
+    "Completing": ("succeeded", "finished; Volcano is cleaning up"),
+    "Completed": ("succeeded", "finished"),
+    # A suspend (`vcctl job suspend`) aborts a Volcano Job; `vcctl job resume` resumes it.
+    "Aborting": ("suspended", "suspended"),
+    "Aborted": ("suspended", "suspended"),
+    "Failed": ("failed", "failed"),
+}
+TERMINAL_BY_COMMAND = ("Terminating", "Terminated")
+
+
+def job_state(job: Mapping[str, Any]) -> VolcanoJobState:
+    """The state of Volcano Job `job` (as the API returns it); ValueError for a phase gpupool does not know.
+
+    Volcano writes no cause beside a phase (its conditions are the phases it went through), so what ended
+    a run comes from the pods; this says where the Job is.
+    """
+    status = job.get("status") or {}
+    spec = job.get("spec") or {}
+    if not isinstance(status, Mapping) or not isinstance(spec, Mapping):
+        raise ValueError("a Volcano Job's spec and status are objects")
+    state = status.get("state") or {}
+    phase = state.get("phase")
+    retries = int(status.get("retryCount") or 0)
+    said = "; ".join(str(part) for part in (state.get("reason"), state.get("message")) if part)
+    if not phase:
+        return VolcanoJobState("queued", retries, said or "not yet seen by Volcano's job controller")
+    if phase in TERMINAL_BY_COMMAND:
+        if status.get("failed"):
+            return VolcanoJobState("failed", retries, said or "failed with an exit code the policy never retries")
+        return VolcanoJobState("cancelled", retries, said or "terminated by a command")
+    if phase not in PHASES:
+        raise ValueError(f"unknown Volcano Job phase {phase!r} (known: {', '.join([*PHASES, *TERMINAL_BY_COMMAND])})")
+    gpupool_state, words = PHASES[phase]
+    max_retry = spec.get("maxRetry")
+    if phase == "Failed" and isinstance(max_retry, int) and retries >= max_retry:
+        words = f"Volcano gave up after {retries} restarts (maxRetry {max_retry})"
+    elif phase == "Restarting":
+        words = f"{words} (restart {retries})"
+    return VolcanoJobState(gpupool_state, retries, said or words)
