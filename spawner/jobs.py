@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from gpupool.hub.accounting.jobs import ENV_NAME, RESERVED_ENV, Job
+from gpupool.hub.accounting.jobs import Job, env_problem
 from gpupool.policies.choice import check_choice
 from gpupool.policies.identity import username_problem
 from gpupool.policies.model import DNS_LABEL, Policy, Restarts
@@ -130,13 +130,9 @@ def _check(spec: JobSpec, namespace: str) -> None:
         raise ValueError(f"a job's command is its program and arguments, strings, the program first; "
                          f"got {spec.command!r}")
     for name, value in spec.env.items():
-        if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
-            raise ValueError(f"{name!r} is not an environment variable name (accepted: letters, digits, _)")
-        if RESERVED_ENV.fullmatch(name):
-            raise ValueError(f"{name} is set by the platform (GPUPOOL_*, CUDA_*, JUPYTERHUB_*, MLFLOW_TRACKING_*, "
-                             "NVIDIA_*, PATH, HOME, USER, LOGNAME cannot be given)")
-        if not isinstance(value, str):
-            raise ValueError(f"the value of {name} is not a string: {value!r}")
+        problem = env_problem(name, value)
+        if problem:
+            raise ValueError(problem)
     if spec.workdir is not None:
         _absolute_path("working directory", spec.workdir)
     for what, number in (("max_restarts", spec.max_restarts), ("grace_seconds", spec.grace_seconds)):

@@ -24,7 +24,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,14 +146,21 @@ def commit(folder: Path, step: int, metadata: Mapping[str, Any] | None = None) -
     (folder / MARKER).unlink(missing_ok=True)
     files = {p.name: _size(p) for p in sorted(folder.iterdir())}
     _fsync_tree(folder)
+    saved_at = _write_marker(folder, step, files, extra)
+    _fsync_folder(folder.parent)
+    return Checkpoint(step, folder, files, extra, saved_at)
+
+
+def _write_marker(folder: Path, step: int, files: Mapping[str, int], metadata: Mapping[str, Any]) -> float:
+    """Write `folder`'s commit marker, fsynced with the folder (every file in it must be on disk already)."""
     saved_at = time.time()
     with (folder / MARKER).open("w") as f:
-        json.dump({"format": FORMAT, "step": step, "files": files, "saved_at": saved_at, "metadata": extra}, f)
+        json.dump({"format": FORMAT, "step": step, "files": dict(files), "saved_at": saved_at,
+                   "metadata": dict(metadata)}, f)
         f.flush()
         os.fsync(f.fileno())
     _fsync_folder(folder)
-    _fsync_folder(folder.parent)
-    return Checkpoint(step, folder, files, extra, saved_at)
+    return saved_at
 
 
 class Checkpoints:
@@ -238,13 +245,7 @@ class Checkpoints:
                     path.write_bytes(buffer.getvalue())
                 files[name] = _size(path)
             _fsync_tree(work)
-            saved_at = time.time()
-            marker = {"format": FORMAT, "step": step, "files": files, "saved_at": saved_at, "metadata": json.loads(extra)}
-            with (work / MARKER).open("w") as f:  # the commit: written last, after every file is on disk
-                json.dump(marker, f)
-                f.flush()
-                os.fsync(f.fileno())
-            _fsync_folder(work)
+            saved_at = _write_marker(work, step, files, json.loads(extra))  # the commit: after every file
             if final.exists():  # the same step again: the old copy leaves first (out of sight), then the new comes
                 old = self._work_folder("trash", step)
                 final.rename(old)
@@ -279,9 +280,6 @@ class Checkpoints:
             match = _WORK.fullmatch(path.name)
             if match and (int(match.group(2)) != os.getpid() and not _pid_alive(int(match.group(2)))):
                 shutil.rmtree(path, ignore_errors=True)
-
-    def __iter__(self) -> Iterator[Checkpoint]:
-        return iter(self.committed())
 
 
 # --- stopping on SIGTERM -----------------------------------------------------------------------------------

@@ -41,6 +41,20 @@ STATE_AFTER: dict[Action, str] = {
 }
 
 
+def env_problem(name: Any, value: Any) -> str | None:
+    """Why a job may not set environment variable `name` to `value`, or None when it may."""
+    if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
+        return f"{name!r} is not an environment variable name (accepted: letters, digits, _)"
+    if RESERVED_ENV.fullmatch(name):
+        return (f"{name} is set by the platform (GPUPOOL_*, CUDA_*, JUPYTERHUB_*, MLFLOW_TRACKING_*, NVIDIA_*, "
+                "PATH, HOME, USER, LOGNAME cannot be given)")
+    if not isinstance(value, str):
+        return f"the value of {name} is not a string: {value!r}"
+    if "\0" in value:
+        return f"the value of {name} contains a NUL character"
+    return None
+
+
 class JobRefused(ValueError):
     """A submission or change the policy or the job's state does not allow; the message says why and what
     is accepted (a 4xx for API clients)."""
@@ -83,13 +97,9 @@ class JobSubmission(BaseModel):
     @classmethod
     def _env(cls, env: dict[str, str]) -> dict[str, str]:
         for name, value in env.items():
-            if not ENV_NAME.fullmatch(name):
-                raise ValueError(f"{name!r} is not an environment variable name (accepted: letters, digits, _)")
-            if RESERVED_ENV.fullmatch(name):
-                raise ValueError(f"{name} is set by the platform (GPUPOOL_*, CUDA_*, JUPYTERHUB_*, "
-                                 "MLFLOW_TRACKING_*, NVIDIA_*, PATH, HOME, USER, LOGNAME cannot be given)")
-            if "\0" in value:
-                raise ValueError(f"the value of {name} contains a NUL character")
+            problem = env_problem(name, value)
+            if problem:
+                raise ValueError(problem)
         return env
 
     @field_validator("workdir", "checkpoint_dir")
