@@ -1,18 +1,28 @@
-"""`gpupool-hub`: JupyterHub with gpupool's rules where JupyterHub has no hook for them (sharing servers).
+"""`gpupool-hub`: JupyterHub with gpupool's rules where JupyterHub has no hook for them (sharing servers), and
+the embedded mode's job runner.
 
 `gpupool up` runs this instead of `jupyterhub`; configuration, options and behaviour are JupyterHub's, plus
-`gpupool.hub.sharing`'s routes in front of JupyterHub's share routes.
+`gpupool.hub.sharing`'s routes in front of JupyterHub's share routes and, when the spawner is the embedded
+`LocalGPUSpawner`, the training jobs' runner (`gpupool.spawner.jobrunner`) in the hub process: one scheduler
+authority per machine for servers and jobs.
 """
 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
+from types import SimpleNamespace
 
+from jupyterhub import orm
 from jupyterhub.app import JupyterHub
 from traitlets import Unicode, default
 
 from gpupool.hub.sharing import share_handlers
 from gpupool.policies import DEFAULT_POLICY_DIR
+from gpupool.spawner.wiring import JOB_TOKEN_SCOPES
+
+#: How long a run's hub token stays valid at most (it is removed when the run ends).
+JOB_TOKEN_DAYS = 30
 
 
 class GPUPoolHub(JupyterHub):
@@ -35,6 +45,68 @@ class GPUPoolHub(JupyterHub):
         super().init_handlers()
         # Tornado takes the first route that matches: these go before JupyterHub's routes of the same paths.
         self.handlers[0:0] = self.add_url_prefix(self.hub_prefix, share_handlers(self.policy_dir))
+
+    job_runner = None
+
+    async def start(self):
+        await super().start()
+        from gpupool.spawner.local import LocalGPUSpawner
+
+        if isinstance(self.spawner_class, type) and issubclass(self.spawner_class, LocalGPUSpawner):
+            await self.start_job_runner()
+
+    async def start_job_runner(self) -> None:
+        """Run the embedded mode's training jobs through the spawners' pool (`gpupool.spawner.jobrunner`)."""
+        from gpupool.hub.accounting.jobs import JobStore
+        from gpupool.spawner.jobrunner import JobRunner
+
+        settings = self._job_spawner(None)
+        pool = settings.pool  # the spawners' own (and the requeue of what waited before a restart)
+        runner = JobRunner(JobStore(settings.ledger.engine), pool, settings.ledger, lambda: settings.policy,
+                           settings.state_dir, self._job_spawner_async, self._job_token, self._revoke_job_token,
+                           self.hub.api_url, self.log)
+        await runner.start()
+        self.job_runner = runner
+        self.log.info("gpupool: job runner started (jobs in %s)", settings.ledger_url.split("@")[-1])
+
+    def _job_spawner(self, job):
+        """A spawner of the hub's configuration for `job`'s user (None: the settings only): every setting a
+        server of theirs would get, configured in one place."""
+        user = SimpleNamespace(name="", groups=[])
+        if job is not None:
+            orm_user = orm.User.find(self.db, job.user)
+            groups = [SimpleNamespace(name=g.name) for g in orm_user.groups] if orm_user is not None else []
+            user = SimpleNamespace(name=job.user, groups=groups)
+        return self.spawner_class(config=self.config, user=user, hub=self.hub)
+
+    async def _job_spawner_async(self, job):
+        return self._job_spawner(job)
+
+    def _note(self, job, attempt: int) -> str:
+        return f"gpupool job {job.id} run {attempt}"
+
+    async def _job_token(self, job, attempt: int) -> str | None:
+        """The run's own hub token: its user's, allowed only to call the MLflow and jobs services."""
+        orm_user = orm.User.find(self.db, job.user)
+        if orm_user is None:
+            return None
+        user = self.users[orm_user]
+        return user.new_api_token(note=self._note(job, attempt), scopes=list(JOB_TOKEN_SCOPES),
+                                  expires_in=int(timedelta(days=JOB_TOKEN_DAYS).total_seconds()))
+
+    async def _revoke_job_token(self, job, attempt: int) -> None:
+        orm_user = orm.User.find(self.db, job.user)
+        if orm_user is None:
+            return
+        for token in list(orm_user.api_tokens):
+            if token.note == self._note(job, attempt):
+                self.db.delete(token)
+        self.db.commit()
+
+    async def cleanup(self):
+        if self.job_runner is not None:
+            await self.job_runner.stop()  # the runs go on: the next hub re-adopts them
+        await super().cleanup()
 
 
 main = GPUPoolHub.launch_instance

@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     datasets = commands.add_parser("datasets", help="the team's dataset registry: init, add, list (DVC)")
     datasets_command.add_arguments(datasets)
 
+    from gpupool.hub import jobs as jobs_command  # argparse and requests only at import
+
+    jobs = commands.add_parser("jobs", help="training jobs: submit, list, show, logs, cancel")
+    jobs_command.add_arguments(jobs)
+
     from gpupool.hub import render as render_command  # argparse only at import; the work is imported in main
 
     render = commands.add_parser("render", help="print the Kubernetes objects gpupool owns, made from policies")

@@ -14,8 +14,8 @@ from pathlib import Path
 from gpupool.hub.lifecycle import supervised
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults, load_policy
 from gpupool.spawner.wiring import (
-    ACCOUNTING_SERVICE, MLFLOW_PREFIX, MLFLOW_ROLE, MLFLOW_SERVICE, mlflow_url, service_roles, sharing_roles,
-    team_groups,
+    ACCOUNTING_SERVICE, JOBS_SERVICE, MLFLOW_PREFIX, MLFLOW_ROLE, MLFLOW_SERVICE, mlflow_url, service_roles,
+    sharing_roles, team_groups,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -58,6 +58,10 @@ class Settings:
     @property
     def mlflow_port(self) -> int:
         return self.port + 4
+
+    @property
+    def jobs_port(self) -> int:
+        return self.port + 5
 
     @property
     def mlflow_url(self) -> str:
@@ -283,6 +287,8 @@ def apply_config(c, settings: Settings) -> None:
     services.append({"name": QUEUE_SERVICE, "api_token": queue_token})
     roles.append({"name": QUEUE_SERVICE, "description": "gpupool starts the requests that waited in the queue "
                   "again after a hub restart", "scopes": ["servers"], "services": [QUEUE_SERVICE]})
+    # What the hub's navigation bar lists under Services for every user, on the services' pages too.
+    nav_services = ",".join([ACCOUNTING_SERVICE, JOBS_SERVICE] + ([MLFLOW_SERVICE] if settings.mlflow else []))
     # The accounting service: usage, budgets, bills, metrics (hub-managed, least-privilege role).
     services.append({
         "name": ACCOUNTING_SERVICE,
@@ -291,9 +297,18 @@ def apply_config(c, settings: Settings) -> None:
         "environment": {"GPUPOOL_STATE_DIR": str(state), "GPUPOOL_POLICIES": str(settings.policy_dir),
                         "GPUPOOL_TEAM_ROOT": settings.team_root,
                         "GPUPOOL_LEDGER_URL": settings.ledger_url,
-                        # what the hub's navigation bar lists under Services for every user, on its pages too
-                        "GPUPOOL_NAV_SERVICES": ",".join([ACCOUNTING_SERVICE] + ([MLFLOW_SERVICE] if settings.mlflow
-                                                                                 else []))},
+                        "GPUPOOL_NAV_SERVICES": nav_services},
+        "oauth_no_confirm": True,
+        "display": True,
+    })
+    # The jobs service: training jobs' API and page (no hub scopes); the hub process runs the jobs themselves.
+    services.append({
+        "name": JOBS_SERVICE,
+        "url": f"http://127.0.0.1:{settings.jobs_port}",
+        "command": [sys.executable, "-m", "gpupool.hub.accounting.jobs_service"],
+        "environment": {"GPUPOOL_STATE_DIR": str(state), "GPUPOOL_POLICIES": str(settings.policy_dir),
+                        "GPUPOOL_TEAM_ROOT": settings.team_root, "GPUPOOL_LEDGER_URL": settings.ledger_url,
+                        "GPUPOOL_NAV_SERVICES": nav_services},
         "oauth_no_confirm": True,
         "display": True,
     })

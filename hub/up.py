@@ -68,7 +68,7 @@ def up(args: argparse.Namespace) -> int:
         print(f"gpupool: stopped {len(stale)} service process(es) an earlier run on {state} left running: "
               + "; ".join(stale), flush=True)
     # The proxy's own ports are left out: JupyterHub replaces a proxy an earlier run left (state/proxy.pid).
-    wanted = {args.port + 1: "the hub", args.port + 3: "the accounting service"}
+    wanted = {args.port + 1: "the hub", args.port + 3: "the accounting service", args.port + 5: "the jobs service"}
     if not getattr(args, "no_mlflow", False):
         wanted[args.port + 4] = "MLflow"
     taken = lifecycle.ports_in_use(wanted)

@@ -542,18 +542,20 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         """Private per-server files (DVC's global config, credentials), outside the user's repositories."""
         return Path(self.server_config_root) / self.user.name / (f"named-{self.name}" if self.name else "default")
 
-    def dataset_env(self) -> dict[str, str]:
-        """The team remotes as DVC's user-level config, written for this server; its environment variables."""
+    def dataset_env(self, folder: Path | None = None) -> dict[str, str]:
+        """The team remotes as DVC's user-level config, written for this server (or into `folder`, a training
+        job's); its environment variables."""
+        folder = folder or self.server_folder
         owner = None
         if self.run_as == "user":
             account = pwd.getpwnam(self.unix_account)
             owner = (account.pw_uid, account.pw_gid)
-        parent = self.server_folder.parent
+        parent = folder.parent
         parent.mkdir(parents=True, exist_ok=True)
-        for folder in (parent.parent, parent):  # the hub's: users pass through to their own folder, list nothing
-            os.chmod(folder, 0o711)
+        for above in (parent.parent, parent):  # the hub's: users pass through to their own folder, list nothing
+            os.chmod(above, 0o711)
         setup = self.server_datasets(self.team_root)
-        env = write_server_datasets(self.server_folder, setup, owner)
+        env = write_server_datasets(folder, setup, owner)
         if self.run_as == "user":
             # In the hub's folder that users pass through and cannot write: replaced whole, never written through.
             temporary = self.safe_directories_file.with_suffix(".new")
@@ -584,7 +586,7 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
                 key=self.pool_key, user=self.user.name, team=choice.team, profile=choice.slug,
                 display_name=choice.profile.display_name, model=choice.profile.gpu.model,
                 share=profile_share(choice.profile, self.policy),
-                priority=self.policy.teams[choice.team].priority, holding=run,
+                priority=self.policy.job_priority(choice.team), holding=run,
             )
             queued = periods.utcnow()
             try:

@@ -290,15 +290,21 @@ class AllocationStore:
 
     # --- the persistent queue -------------------------------------------------------------------------
 
-    def enqueue(self, request: Request, options: dict) -> Queued:
-        """Record that `request` waits; a request already recorded (back after a restart) keeps its place."""
+    def enqueue(self, request: Request, options: dict, first: bool = False) -> Queued:
+        """Record that `request` waits; a request already recorded (back after a restart) keeps its place.
+
+        `first`: at the head of the queue (before every request recorded now), for work that was preempted:
+        it goes back ahead of the others of its priority (the queue orders by priority first)."""
         with self.engine.begin() as db:
             row = db.execute(sa.select(queue_table).where(queue_table.c.key == request.key)).first()
             if row is not None and row.lost is None:
                 db.execute(queue_table.update().where(queue_table.c.key == request.key).values(owner=self.owner))
                 return replace(_queued(row), request=request, owner=self.owner)
             db.execute(queue_table.delete().where(queue_table.c.key == request.key))
-            seq = (db.execute(sa.select(sa.func.max(queue_table.c.seq))).scalar() or 0) + 1
+            if first:
+                seq = (db.execute(sa.select(sa.func.min(queue_table.c.seq))).scalar() or 1) - 1
+            else:
+                seq = (db.execute(sa.select(sa.func.max(queue_table.c.seq))).scalar() or 0) + 1
             entry = Queued(request, seq, dict(options), self.owner, time.time())
             db.execute(queue_table.insert().values(
                 key=request.key, seq=seq, user=request.user, team=request.team, profile=request.profile,
@@ -478,12 +484,14 @@ class LocalPool:
     def capacity(self, model: str) -> int:
         return sum(1 for c in self.cards if c.model == model)
 
-    async def acquire(self, request: Request, timeout: float | None = None, options: dict | None = None) -> Allocation:
+    async def acquire(self, request: Request, timeout: float | None = None, options: dict | None = None,
+                      first: bool = False) -> Allocation:
         """Wait in the team's queue until `request` is admitted and placed; the allocation is recorded.
 
         While it waits the request is persisted with `options` (what to ask the hub for again after a
         restart). It leaves the persisted queue when placed, refused or timed out, and when its user cancels
-        (`forget`); a cancellation by a hub that is going down leaves it there, to come back.
+        (`forget`); a cancellation by a hub that is going down leaves it there, to come back. `first`: it
+        goes back to the head of its priority (preempted work).
         """
         if request.share > self.capacity(request.model):
             count_decision(Reason.NEVER_FITS_POOL)
@@ -499,7 +507,7 @@ class LocalPool:
         if self.store.release(request.key):
             log.warning("%s held an allocation from an earlier start; freed it", request.key)
         loop = asyncio.get_running_loop()
-        entry = self.store.enqueue(request, options or {})
+        entry = self.store.enqueue(request, options or {}, first=first)
         self.restoring.pop(request.key, None)
         waited = max(0.0, time.time() - entry.queued_at)  # back after a restart: it has waited since then
         ticket = Ticket(request, entry.seq, time.monotonic() - waited, loop.create_future())

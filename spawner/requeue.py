@@ -65,7 +65,9 @@ async def _ask_again(client: AsyncHTTPClient, pool: LocalPool, api_url: str, tok
 
 async def requeue(pool: LocalPool, api_url: str, token: str, log) -> None:
     """Ask the hub at `api_url` for every request in `pool.restoring` again; then let the queue move on."""
-    entries = sorted(pool.restoring.values(), key=lambda q: q.seq)
+    # Training jobs (keys `job:ID`) are asked for again by the job runner, not through the hub's API.
+    entries = sorted((q for q in pool.restoring.values() if not q.request.key.startswith("job:")),
+                     key=lambda q: q.seq)
     client = AsyncHTTPClient()
     api_url = api_url.rstrip("/") + "/"
     try:

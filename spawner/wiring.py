@@ -19,12 +19,19 @@ MLFLOW_SERVICE = "mlflow"
 #: Where the hub's proxy serves the MLflow service (behind the hub login), in both modes.
 MLFLOW_PREFIX = f"/services/{MLFLOW_SERVICE}/"
 MLFLOW_ROLE = "gpupool-mlflow"
+JOBS_SERVICE = "jobs"
+JOBS_ROLE = "gpupool-jobs"
+#: The jobs service needs no hub scope: who calls comes with their token, teams from the policies.
+JOBS_SCOPES: tuple[str, ...] = ()
 #: The MLflow service needs no hub scope: the identity of each caller's token (name, admin, groups) comes with
 #: the token itself, and teams and reviewers come from the policies.
 MLFLOW_SCOPES: tuple[str, ...] = ()
 #: What a user server's own API token ($JUPYTERHUB_API_TOKEN, also $MLFLOW_TRACKING_TOKEN) may do: JupyterHub's
 #: default `server` role, plus calling the MLflow service.
-SERVER_TOKEN_SCOPES = ("users:activity!user", "access:servers!server", f"access:services!service={MLFLOW_SERVICE}")
+SERVER_TOKEN_SCOPES = ("users:activity!user", "access:servers!server", f"access:services!service={MLFLOW_SERVICE}",
+                       f"access:services!service={JOBS_SERVICE}")
+#: What a training job's run's own token may do: call the MLflow service and the jobs service, nothing else.
+JOB_TOKEN_SCOPES = (f"access:services!service={MLFLOW_SERVICE}", f"access:services!service={JOBS_SERVICE}")
 
 
 def mlflow_url(public_url: str) -> str:
@@ -57,9 +64,11 @@ def sharing_roles(policy: Policy) -> list[dict[str, Any]]:
     ]
 
 
-def service_roles() -> dict[str, dict[str, Any]]:
-    """Each service gets exactly its scopes; every user may open their pages (the services decide what they see)."""
-    return {
+def service_roles(jobs: bool = True) -> dict[str, dict[str, Any]]:
+    """Each service gets exactly its scopes; every user may open their pages (the services decide what they see).
+
+    `jobs`: with the jobs service (the embedded mode; the Kubernetes mode has no jobs service yet)."""
+    roles = {
         ACCOUNTING_ROLE: {
             "description": "gpupool-accounting reads team membership and which servers run",
             "scopes": list(ACCOUNTING_SCOPES),
@@ -70,6 +79,15 @@ def service_roles() -> dict[str, dict[str, Any]]:
             "scopes": list(MLFLOW_SCOPES),
             "services": [MLFLOW_SERVICE],
         },
+        JOBS_ROLE: {
+            "description": "gpupool-jobs: training jobs' API and page; no hub scopes",
+            "scopes": list(JOBS_SCOPES),
+            "services": [JOBS_SERVICE],
+        },
         "user": {"scopes": ["self", f"access:services!service={ACCOUNTING_SERVICE}",
-                            f"access:services!service={MLFLOW_SERVICE}"]},
+                            f"access:services!service={MLFLOW_SERVICE}"]
+                 + ([f"access:services!service={JOBS_SERVICE}"] if jobs else [])},
     }
+    if not jobs:
+        del roles[JOBS_ROLE]
+    return roles

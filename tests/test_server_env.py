@@ -211,7 +211,7 @@ def up_alone(tmp: Path, server_env: str, *args: str) -> tuple[subprocess.Popen, 
 def _port() -> int:
     from gpupool.hub.harness import free_port_block
 
-    return free_port_block(5)
+    return free_port_block(6)
 
 
 @pytest.mark.parametrize("where", ["missing", "private"])

@@ -101,6 +101,8 @@ class UsageInterval(Base):
     queue_wait_s: Mapped[int | None] = mapped_column(sa.BigInteger)
     #: `reserved` (admitted, not running yet: held, not billed) or `running` (see `STATES`).
     state: Mapped[str] = mapped_column(sa.String(16), default="running", server_default="running")
+    #: `server` (a user's server) or `job` (a run of a training job; its run key starts with `job:`).
+    kind: Mapped[str] = mapped_column(sa.String(16), default="server", server_default="server")
 
     __table_args__ = (
         sa.CheckConstraint("share_num > 0 AND share_den > 0", name="share_positive"),

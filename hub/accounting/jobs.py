@@ -16,6 +16,7 @@ import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -387,12 +388,68 @@ class JobStore:
                                .values(cancel_requested=True, reason="cancelling: stopping its run"))
         return self.get(job_id)
 
+    def set_checkpoint_dir(self, job_id: str, folder: str) -> Job | None:
+        """The job's checkpoint folder, when the submission named none (the default is made of its id)."""
+        with self._writer.begin() as connection:
+            connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.checkpoint_dir.is_(None))
+                               .values(checkpoint_dir=folder))
+        return self.get(job_id)
+
+    def refuse(self, job_id: str, reason: str, at: datetime) -> Job | None:
+        """A waiting job the pool will never start (its profile can never fit, its team's budget denies it, the
+        policy no longer has its profile): `failed`, with why. A job not waiting any more stays as it is."""
+        with self._writer.begin() as connection:
+            connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state.in_(("queued", "restarting")))
+                               .values(state="failed", ended_at=at, reason=reason[:500]))
+        return self.get(job_id)
+
+    def set_reason(self, job_id: str, reason: str) -> None:
+        """Why a waiting job waits (its place in the queue and what it waits for), for its user to see."""
+        with self._writer.begin() as connection:
+            connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state.in_(("queued", "restarting")),
+                                                   JOBS.c.reason != reason[:500])
+                               .values(reason=reason[:500]))
+
     def resume(self, job_id: str, at: datetime) -> Job | None:
         """A suspended job goes back to the queue, at its place."""
         with self._writer.begin() as connection:
             connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state == "suspended")
                                .values(state="queued", reason="in queue (resumed)"))
         return self.get(job_id)
+
+
+def job_folder(state_dir: str | Path, job_id: str) -> Path:
+    """The hub's folder of job `job_id` in the platform's state folder (its log; private to the hub)."""
+    if not JOB_ID.fullmatch(job_id):
+        raise ValueError(f"{job_id!r} is not a job id")
+    return Path(state_dir) / "jobs" / job_id
+
+
+def default_checkpoint_dir(team_root: str | Path, team: str, user: str, job_id: str) -> Path:
+    """A job's checkpoints by default: in the team's storage, in a folder of its user's that only they enter
+    (`TEAM_ROOT/TEAM/checkpoints/USER/JOB`)."""
+    return Path(team_root) / team / "checkpoints" / user / job_id
+
+
+def job_log(state_dir: str | Path, job_id: str) -> Path:
+    """The job's log: the output of every run, one after the other, with a line between runs."""
+    return job_folder(state_dir, job_id) / "log"
+
+
+def log_tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
+    """The last `lines` lines of the log at `path` (at most its last `max_bytes`); "" when there is none."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(0, 2)
+            size = log.tell()
+            log.seek(max(0, size - max_bytes))
+            data = log.read()
+    except OSError:
+        return ""
+    text = data.decode("utf-8", "replace")
+    if size > max_bytes:
+        text = text.split("\n", 1)[-1]  # the first line is cut
+    return "\n".join(text.splitlines()[-lines:])
 
 
 def priority_order(policy: Policy) -> Any:

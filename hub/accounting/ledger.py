@@ -124,6 +124,7 @@ class Interval:
     run: str | None = None
     queue_wait: timedelta | None = None
     state: State = State.RUNNING
+    kind: str = "server"  # or "job" (see `run_kind`)
 
     @property
     def is_open(self) -> bool:
@@ -197,6 +198,20 @@ def run_key(user: str, server: str, started: datetime) -> str:
     return key
 
 
+#: What the run keys of training jobs begin with: `job:ID@STARTED` (no `/`, so no server's key looks like it).
+JOB_RUN_PREFIX = "job:"
+
+
+def job_run_key(job_id: str, started: datetime) -> str:
+    """The ledger's key of the run of training job `job_id` admitted at `started` (one per attempt)."""
+    return f"{JOB_RUN_PREFIX}{job_id}@{periods.ensure_utc(started):%Y-%m-%dT%H:%M:%S.%fZ}"
+
+
+def run_kind(key: str) -> str:
+    """`job` for a training job's run key (and its continuations), `server` for anything else."""
+    return "job" if key.startswith(JOB_RUN_PREFIX) else "server"
+
+
 def run_server(run: str) -> str | None:
     """The server a run key (`run_key`) names: `""` for the default server; None for a hashed key (whose user
     and server names were too long to keep)."""
@@ -254,7 +269,7 @@ def _interval(row: Any) -> Interval:
         row.key, row.user, row.team, row.profile, row.model, Fraction(row.share_num, row.share_den),
         row.start_at, row.end_at, row.how, row.last_seen_at, timedelta(seconds=row.reserve_s),
         getattr(row, "run", None), None if wait is None else timedelta(seconds=wait),
-        State(getattr(row, "state", None) or State.RUNNING),
+        State(getattr(row, "state", None) or State.RUNNING), getattr(row, "kind", None) or "server",
     )
 
 
@@ -411,14 +426,16 @@ class Ledger:
 
         For the hub's view of what runs: a run the hub no longer lists has ended, and nobody reported
         it. Only intervals that started before `started_before` (when the hub was asked) are closed: a
-        server that started since is not in the answer, yet runs.
+        server that started since is not in the answer, yet runs. Training jobs are not the hub's servers:
+        their runner reports them, so their intervals are left alone here.
         """
         keep = set(running)
         before_s = _seconds(started_before, "started_before")
         c = INTERVALS.c
         with self._writer.begin() as connection:
             candidates = connection.execute(
-                sa.select(c.id, c.run).where(c.end_at.is_(None), c.run.is_not(None), _as_int(c.start_at) < before_s)
+                sa.select(c.id, c.run).where(c.end_at.is_(None), c.run.is_not(None), c.kind == "server",
+                                             _as_int(c.start_at) < before_s)
             ).all()
             gone = [row for row in candidates if row.run not in keep]
             for row in gone:
@@ -440,7 +457,7 @@ class Ledger:
             "share_num": exact.numerator, "share_den": exact.denominator,
             "start_at": start, "end_at": None, "how": None, "last_seen_at": start,
             "reserve_s": reserve // timedelta(seconds=1), "run": None, "queue_wait_s": None,
-            "state": State.RUNNING.value,
+            "state": State.RUNNING.value, "kind": run_kind(key),
         }
 
     def _open(self, connection: sa.Connection, values: dict[str, Any]) -> OpenResult:

@@ -100,12 +100,30 @@ def running_servers(ledger: Ledger, policy: Policy, user: str, now: datetime | N
         hours = periods.gpu_hours(interval.share, seconds)
         price = Fraction(unit_price(policy, interval.model)) if interval.model in policy.billing.prices else Fraction(0)
         running.append({
-            "key": interval.run or interval.key, "server": run_server(interval.run) if interval.run else None,
+            "key": interval.run or interval.key, "kind": interval.kind,
+            "server": run_server(interval.run) if interval.run else None,
             "team": interval.team, "profile": interval.profile,
             "model": interval.model, "share": str(interval.share), "since": pieces[0].start.isoformat(),
             "gpu_hours": format_hours(hours), "cost": str(amount(hours, price)),
         })
     return running
+
+
+def job_usage(ledger: Ledger, policy: Policy, holdings: Iterable[str], now: datetime | None = None
+              ) -> tuple[Fraction, Decimal]:
+    """GPU-hours and cost so far of a training job whose runs held `holdings` (their ledger run keys)."""
+    now = now or periods.utcnow()
+    hours, cost = Fraction(0), Decimal(0)
+    for holding in holdings:
+        for piece in ledger.run_intervals(holding):
+            if piece.is_reserved:
+                continue
+            seconds = int(((piece.end or max(now, piece.start)) - piece.start).total_seconds())
+            piece_hours = periods.gpu_hours(piece.share, seconds)
+            price = Fraction(unit_price(policy, piece.model)) if piece.model in policy.billing.prices else Fraction(0)
+            hours += piece_hours
+            cost += amount(piece_hours, price)
+    return hours, cost
 
 
 def home_servers(ledger: Ledger, policy: Policy, user: str, servers: Iterable[tuple[str, datetime | None, Mapping]],

@@ -1,0 +1,306 @@
+"""The jobs service (`/services/jobs/`): training jobs' REST API and the Jobs page, behind the hub login.
+
+Submissions and cancels are written to the jobs table of the ledger's database (`accounting.jobs.JobStore`);
+the job runner (in the hub process, embedded mode) starts, watches and stops the runs. A job belongs to its
+user; the leads of its team and admins see (and may cancel) it too; anyone else gets 404, as if it did not
+exist. API clients authenticate with a hub token (`Authorization: token …`): a server's own
+`$JUPYTERHUB_API_TOKEN` works from a notebook or a terminal (`gpupool jobs`), as does a token made on the
+hub's token page. The API is described at `openapi.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from datetime import datetime
+from decimal import Decimal
+from urllib.parse import urlparse
+
+from jupyterhub.services.auth import HubOAuthCallbackHandler
+from pydantic import ValidationError
+from tornado import ioloop, web
+
+from gpupool.hub.accounting import periods
+from gpupool.hub.accounting.admission import format_hours
+from gpupool.hub.accounting.jobs import (
+    JOB_ID, Job, JobRefused, JobStore, JobSubmission, default_checkpoint_dir, job_log, log_tail, resolve,
+)
+from gpupool.hub.accounting.ledger import Ledger
+from gpupool.hub.accounting.reports import job_usage, money
+from gpupool.hub.accounting.service import (
+    MAX_BODY_BYTES, AccountingHandler, HealthHandler, NotFoundHandler, page_templates,
+)
+from gpupool.policies import DEFAULT_POLICY_DIR, defaults
+
+log = logging.getLogger("gpupool.jobs")
+#: The most of a log one request returns (`GET …/log`); more comes with the next offset.
+LOG_CHUNK = 256 * 1024
+#: Lines of the log's tail on the job's page and in `GET /api/jobs/ID`.
+TAIL_LINES = 40
+
+
+def _when(moment: datetime | None) -> str | None:
+    return moment.isoformat().replace("+00:00", "Z") if moment is not None else None
+
+
+class JobsHandler(AccountingHandler):
+    """Base: the store, who may see which job, and the job's view for API and page."""
+
+    @property
+    def store(self) -> JobStore:
+        return self.settings["store"]
+
+    def may_see(self, job: Job) -> bool:
+        viewer = self.viewer()
+        return viewer.admin or job.user == viewer.name or job.team in viewer.leads
+
+    def job_or_404(self, job_id: str) -> Job:
+        job = self.store.get(job_id)
+        if job is None or not self.may_see(job):
+            raise web.HTTPError(404, f"no job {job_id!r} that you may see")
+        return job
+
+    def visible_jobs(self) -> list[Job]:
+        viewer = self.viewer()
+        if viewer.admin:
+            return self.store.jobs()
+        return self.store.jobs(users=[viewer.name], teams=sorted(viewer.leads))
+
+    def detail(self, job: Job, tail: bool = True) -> dict:
+        policy, runs = self.policy, self.store.runs(job.id)
+        hours, cost = job_usage(self.ledger, policy, [r.holding for r in runs if r.holding])
+        out = job.as_json()
+        out.update({
+            "gpu_hours": format_hours(hours), "cost": str(cost), "currency": policy.billing.currency,
+            "checkpoint_dir": job.checkpoint_dir,
+            "runs": [{"attempt": r.attempt, "started_at": _when(r.started_at), "ended_at": _when(r.ended_at),
+                      "event": r.event, "exit_code": r.exit_code, "counted": r.counted, "reason": r.reason}
+                     for r in runs],
+        })
+        if tail:
+            out["log_tail"] = log_tail(job_log(self.settings["state_dir"], job.id), TAIL_LINES)
+        return out
+
+    def body(self) -> dict:
+        try:
+            data = json.loads(self.request.body or b"{}")
+        except ValueError as error:
+            raise web.HTTPError(400, f"the body is not JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise web.HTTPError(400, "the body must be a JSON object (see openapi.json: JobSubmission)")
+        return data
+
+    def cancel(self, job: Job) -> Job:
+        if job.ended:
+            raise web.HTTPError(409, f"job {job.id} has already ended ({job.state}): nothing to cancel")
+        return self.store.cancel(job.id, periods.utcnow())
+
+
+class ListHandler(JobsHandler):
+    @web.authenticated
+    def get(self):
+        self.write_json({"jobs": [job.as_json() for job in self.visible_jobs()]})
+
+    @web.authenticated
+    def post(self):
+        viewer = self.viewer()
+        try:
+            submission = JobSubmission.model_validate(self.body())
+        except ValidationError as error:
+            problems = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}"
+                                 for e in error.errors())
+            raise web.HTTPError(400, f"invalid job: {problems} (see openapi.json: JobSubmission)") from None
+        policy = self.policy
+        try:
+            resolved = resolve(policy, viewer.name, policy.teams_of(viewer.name, self.current_user.get("groups") or []),
+                               submission)
+        except JobRefused as refused:
+            raise web.HTTPError(refused.status, str(refused)) from None
+        key = self.request.headers.get("Idempotency-Key")
+        if key is not None and not (0 < len(key) <= 200 and key.isprintable()):
+            raise web.HTTPError(400, "Idempotency-Key must be 1 to 200 printable characters")
+        job = self.store.submit(viewer.name, resolved, submission, periods.utcnow(), key=key)
+        if job.checkpoint_dir is None:  # its own folder in the team's storage, now that it has an id
+            job = self.store.set_checkpoint_dir(
+                job.id, str(default_checkpoint_dir(self.settings["team_root"], job.team, job.user, job.id)))
+        self.set_status(201)
+        self.set_header("Location", f"{self.settings['prefix']}api/jobs/{job.id}")
+        self.write_json(self.detail(job, tail=False))
+
+
+class JobHandler(JobsHandler):
+    @web.authenticated
+    def get(self, job_id: str):
+        self.write_json(self.detail(self.job_or_404(job_id)))
+
+    @web.authenticated
+    def delete(self, job_id: str):
+        self.write_json(self.detail(self.cancel(self.job_or_404(job_id)), tail=False))
+
+
+class CancelHandler(JobsHandler):
+    @web.authenticated
+    def post(self, job_id: str):
+        job = self.cancel(self.job_or_404(job_id))
+        if self.request.path.startswith(self.settings["prefix"] + "api/"):
+            self.write_json(self.detail(job, tail=False))
+        else:  # the page's button
+            self.redirect(f"{self.settings['prefix']}jobs/{job.id}")
+
+
+class LogHandler(JobsHandler):
+    """The log from byte `offset` on (at most `LOG_CHUNK`); `X-Log-Offset` is where the next read starts."""
+
+    @web.authenticated
+    def get(self, job_id: str):
+        job = self.job_or_404(job_id)
+        text = self.get_argument("offset", "0")
+        if not text.isdigit():
+            raise web.HTTPError(400, f"offset must be a whole number of bytes, not {text[:20]!r}")
+        offset = int(text)
+        path = job_log(self.settings["state_dir"], job.id)
+        try:
+            with open(path, "rb") as log_file:
+                log_file.seek(offset)
+                data = log_file.read(LOG_CHUNK)
+        except FileNotFoundError:
+            data = b""
+        self.set_header("Content-Type", "text/plain; charset=utf-8")
+        self.set_header("X-Log-Offset", str(offset + len(data)))
+        self.set_header("X-Job-State", job.state)
+        self.finish(data)
+
+
+class PageHandler(JobsHandler):
+    """The Jobs page: my jobs and, for team leads, their teams' jobs; how to submit one."""
+
+    @web.authenticated
+    def get(self):
+        viewer, policy = self.viewer(), self.policy
+        rows = []
+        for job in self.visible_jobs():
+            detail = self.detail(job, tail=False)
+            rows.append({**detail, "cost": money(Decimal(detail["cost"]), policy.billing.currency),
+                         "submitted": detail["submitted_at"][:16].replace("T", " "),
+                         "href": f"jobs/{job.id}", "profile_name": self._profile_name(job.profile)})
+        self.render_jobs("jobs.html", "Training jobs", jobs=rows, teams=sorted(viewer.teams),
+                         profiles=sorted(policy.profiles_for_teams(set(viewer.teams))))
+
+    def _profile_name(self, slug: str) -> str:
+        profile = self.policy.profiles.get(slug)
+        return profile.display_name if profile is not None else slug
+
+    def render_jobs(self, template: str, title: str, **values) -> None:
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.finish(self.settings["templates"].get_template(template).render(
+            **self.hub_namespace(self.current_user), title=title, currency=self.policy.billing.currency,
+            service_prefix=self.settings["prefix"], xsrf_form_html=self.xsrf_form_html, **values))
+
+
+class JobPageHandler(PageHandler):
+    @web.authenticated
+    def get(self, job_id: str):
+        job = self.job_or_404(job_id)
+        detail = self.detail(job)
+        detail["cost"] = money(Decimal(detail["cost"]), self.policy.billing.currency)
+        self.render_jobs("job.html", f"Job {job.id}", job=detail, profile_name=self._profile_name(job.profile))
+
+
+SUBMISSION = JobSubmission.model_json_schema()
+JOB_ID_PARAMETER = {"name": "job", "in": "path", "required": True, "schema": {"type": "string",
+                                                                              "pattern": f"^{JOB_ID.pattern}$"}}
+OPENAPI = {
+    "openapi": "3.1.0",
+    "info": {"title": "gpupool-jobs", "version": "1",
+             "description": "Training jobs: submit, follow, cancel. A job is its user's; its team's leads and "
+                            "admins see it too; anyone else gets 404."},
+    "components": {
+        "securitySchemes": {"jupyterhub": {"type": "apiKey", "in": "header", "name": "Authorization",
+                                           "description": "token <JupyterHub API token>"}},
+        "schemas": {"JobSubmission": SUBMISSION},
+    },
+    "security": [{"jupyterhub": []}],
+    "paths": {
+        "/api/jobs": {
+            "get": {"summary": "My jobs (and, for a team's leads, the team's; admins: all), newest first"},
+            "post": {"summary": "Submit a job; `Idempotency-Key` makes a retried submission one job",
+                     "parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string",
+                                                                                           "maxLength": 200}}],
+                     "requestBody": {"required": True, "content": {"application/json": {
+                         "schema": {"$ref": "#/components/schemas/JobSubmission"}}}},
+                     "responses": {"201": {"description": "the job, queued"},
+                                   "400": {"description": "what is wrong with the submission, and what is accepted"},
+                                   "403": {"description": "a team, profile or priority you may not use"}}},
+        },
+        "/api/jobs/{job}": {
+            "parameters": [JOB_ID_PARAMETER],
+            "get": {"summary": "The job: state, reason (queue position), runs with their causes, GPU-hours and "
+                               "cost so far, the log's tail"},
+            "delete": {"summary": "Cancel (as POST …/cancel)"},
+        },
+        "/api/jobs/{job}/cancel": {"parameters": [JOB_ID_PARAMETER], "post": {
+            "summary": "Cancel: a waiting job never starts; a running one gets SIGTERM, then SIGKILL after the "
+                       "policy's grace period", "responses": {"409": {"description": "the job has ended"}}}},
+        "/api/jobs/{job}/log": {"parameters": [JOB_ID_PARAMETER], "get": {
+            "summary": "The log from byte `offset` on (text/plain); header X-Log-Offset: where to read next; "
+                       "X-Job-State: the job's state",
+            "parameters": [{"name": "offset", "in": "query", "schema": {"type": "integer", "minimum": 0}}]}},
+        "/": {"get": {"summary": "The Jobs page (HTML)"}},
+        "/jobs/{job}": {"parameters": [JOB_ID_PARAMETER], "get": {"summary": "A job's page (HTML)"}},
+        "/health": {"get": {"summary": "No login: status and version"}},
+    },
+}
+
+
+class OpenAPIHandler(web.RequestHandler):
+    def get(self):
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(OPENAPI))
+
+
+def make_app(ledger: Ledger, policy_dir: str, prefix: str, state_dir: str, team_root: str, base_url: str = "/",
+             nav_services: tuple[str, ...] = ("jobs",)) -> web.Application:
+    job = r"([a-f0-9]{12})"
+    return web.Application(
+        [
+            (prefix, PageHandler),
+            (prefix + f"jobs/{job}", JobPageHandler),
+            (prefix + f"jobs/{job}/cancel", CancelHandler),
+            (prefix + "api/jobs", ListHandler),
+            (prefix + f"api/jobs/{job}", JobHandler),
+            (prefix + f"api/jobs/{job}/cancel", CancelHandler),
+            (prefix + f"api/jobs/{job}/log", LogHandler),
+            (prefix + "openapi.json", OpenAPIHandler),
+            (prefix + "health", HealthHandler),
+            (prefix + "oauth_callback", HubOAuthCallbackHandler),
+        ],
+        ledger=ledger, store=JobStore(ledger.engine), policy_dir=policy_dir, state_dir=state_dir,
+        team_root=team_root, cookie_secret=os.urandom(32), prefix=prefix, base_url=base_url,
+        nav_services=tuple(nav_services), templates=page_templates(), max_body_size=MAX_BODY_BYTES,
+        default_handler_class=NotFoundHandler,
+    )
+
+
+def _env(name: str, fallback: str) -> str:
+    return os.environ.get(name) or fallback
+
+
+def main(argv=None) -> None:
+    """`python -m gpupool.hub.accounting.jobs_service`: configured from the environment the hub gives it."""
+    logging.basicConfig(level=logging.INFO, format="[%(levelname)s %(asctime)s jobs] %(message)s")
+    state_dir = _env("GPUPOOL_STATE_DIR", str(defaults.state_dir()))
+    ledger = Ledger(_env("GPUPOOL_LEDGER_URL", defaults.ledger_url(state_dir)))
+    prefix = _env("JUPYTERHUB_SERVICE_PREFIX", "/services/jobs/")
+    nav = tuple(n for n in _env("GPUPOOL_NAV_SERVICES", "jobs").split(",") if n)
+    app = make_app(ledger, _env("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR)), prefix, state_dir,
+                   _env("GPUPOOL_TEAM_ROOT", str(defaults.team_root(state_dir))), _env("JUPYTERHUB_BASE_URL", "/"),
+                   nav)
+    url = urlparse(_env("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:8005"))
+    app.listen(url.port or 80, url.hostname or "127.0.0.1")
+    log.info("gpupool-jobs at %s%s", url.geturl(), prefix)
+    ioloop.IOLoop.current().start()
+
+
+if __name__ == "__main__":
+    main()

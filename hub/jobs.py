@@ -1,0 +1,217 @@
+"""`gpupool jobs`: submit, list, show, follow and cancel training jobs through the jobs service's REST API.
+
+Run in a server's terminal or a notebook (`!gpupool jobs …`), it needs nothing: the server's own hub token
+(`$JUPYTERHUB_API_TOKEN`) and the hub's address (`$GPUPOOL_HUB_URL`) are in its environment. Elsewhere, give
+`--url` (the hub, or the service itself) and `--token` (one from the hub's token page), or set
+`$GPUPOOL_HUB_URL` and `$JUPYTERHUB_API_TOKEN`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import requests
+
+#: Seconds between two reads of a followed log.
+FOLLOW_S = 1.0
+ENDED = ("succeeded", "failed", "cancelled")
+
+
+class JobsError(RuntimeError):
+    pass
+
+
+class Client:
+    def __init__(self, url: str, token: str, timeout: float = 30):
+        self.url = url.rstrip("/") + "/"
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"token {token}"
+        self.timeout = timeout
+
+    def call(self, method: str, path: str, **kwargs) -> requests.Response:
+        try:
+            reply = self.session.request(method, self.url + path, timeout=self.timeout, **kwargs)
+        except requests.RequestException as error:
+            raise JobsError(f"the jobs service at {self.url} did not answer: {error}") from None
+        if reply.status_code >= 400:
+            try:
+                message = reply.json().get("message")
+            except ValueError:
+                message = None
+            if reply.status_code in (401, 403) and not message:
+                message = "the hub refused the token (make one on the hub's token page, or run this in a server)"
+            raise JobsError(f"{reply.status_code}: {message or reply.reason}")
+        return reply
+
+
+def service_url(args: argparse.Namespace) -> str:
+    if args.url:
+        url = args.url.rstrip("/")
+        return url + "/" if "/services/" in url else url + "/services/jobs/"
+    if os.environ.get("GPUPOOL_JOBS_URL"):
+        return os.environ["GPUPOOL_JOBS_URL"]
+    hub = os.environ.get("GPUPOOL_HUB_URL") or os.environ.get("JUPYTERHUB_PUBLIC_HUB_URL", "").removesuffix("hub/")
+    if not hub:
+        raise JobsError("where is the hub? give --url https://HUB (or set GPUPOOL_HUB_URL); in a server it is set")
+    return hub.rstrip("/") + "/services/jobs/"
+
+
+def client(args: argparse.Namespace) -> Client:
+    token = args.token or os.environ.get("JUPYTERHUB_API_TOKEN") or os.environ.get("GPUPOOL_TOKEN")
+    if not token:
+        raise JobsError("no hub token: give --token (make one on the hub's token page) or set JUPYTERHUB_API_TOKEN; "
+                        "in a server it is set")
+    return Client(service_url(args), token)
+
+
+def _env_pairs(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        name, equals, value = pair.partition("=")
+        if not equals or not name:
+            raise JobsError(f"--env {pair!r}: give NAME=VALUE")
+        env[name] = value
+    return env
+
+
+def submit(args: argparse.Namespace) -> int:
+    command = list(args.cmd)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise JobsError("no command: gpupool jobs submit --profile P -- python train.py")
+    body = {"profile": args.profile, "command": command, "env": _env_pairs(args.env or []),
+            "workdir": os.path.abspath(args.workdir or os.getcwd())}
+    for name in ("team", "max_restarts", "priority", "checkpoint_dir"):
+        if getattr(args, name) is not None:
+            body[name] = getattr(args, name)
+    if args.checkpoint_dir:
+        body["checkpoint_dir"] = os.path.abspath(args.checkpoint_dir)
+    if args.preemptible:
+        body["preemptible"] = True
+    headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
+    job = client(args).call("POST", "api/jobs", json=body, headers=headers).json()
+    if args.json:
+        print(json.dumps(job, indent=2))
+    else:
+        print(f"job {job['id']} submitted: {job['state']}, team {job['team']}, {job['priority']} priority, "
+              f"checkpoints in {job['checkpoint_dir']}")
+        print(f"follow it: gpupool jobs logs {job['id']} --follow")
+    return 0
+
+
+def _table(jobs: list[dict]) -> str:
+    rows = [("JOB", "USER", "TEAM", "PROFILE", "STATE", "RESTARTS", "SUBMITTED (UTC)", "WHY")]
+    for job in jobs:
+        rows.append((job["id"], job["user"], job["team"], job["profile"], job["state"],
+                     f"{job['restarts']}/{job['max_restarts']}", job["submitted_at"][:16].replace("T", " "),
+                     job["reason"][:60]))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows)
+
+
+def list_jobs(args: argparse.Namespace) -> int:
+    jobs = client(args).call("GET", "api/jobs").json()["jobs"]
+    print(json.dumps(jobs, indent=2) if args.json else (_table(jobs) if jobs else "no jobs"))
+    return 0
+
+
+def show(args: argparse.Namespace) -> int:
+    job = client(args).call("GET", f"api/jobs/{args.job}").json()
+    if args.json:
+        print(json.dumps(job, indent=2))
+        return 0
+    print(f"job {job['id']} of {job['user']} (team {job['team']}): {job['state']}: {job['reason']}")
+    print(f"  profile {job['profile']}, {job['priority']} priority{', preemptible' if job['preemptible'] else ''}")
+    print(f"  command: {' '.join(job['command'])}")
+    print(f"  checkpoints: {job['checkpoint_dir']}")
+    print(f"  restarts: {job['restarts']} of {job['max_restarts']} counted; exit code: {job['exit_code']}")
+    print(f"  GPU-hours so far: {job['gpu_hours']}, cost {job['cost']} {job['currency']}")
+    for run in job["runs"]:
+        print(f"  run {run['attempt']}: {run['started_at']} → {run['ended_at'] or 'running'}"
+              f"{' ' + run['event'] if run['event'] else ''}"
+              f"{'' if run['exit_code'] is None else ' (exit ' + str(run['exit_code']) + ')'}"
+              f"{', counted' if run['counted'] else ''}{': ' + run['reason'] if run['reason'] else ''}")
+    if job.get("log_tail"):
+        print("  log (last lines):")
+        print("\n".join("    " + line for line in job["log_tail"].splitlines()))
+    return 0
+
+
+def logs(args: argparse.Namespace) -> int:
+    jobs, offset = client(args), 0
+    while True:
+        reply = jobs.call("GET", f"api/jobs/{args.job}/log", params={"offset": offset})
+        sys.stdout.write(reply.content.decode("utf-8", "replace"))
+        sys.stdout.flush()
+        offset = int(reply.headers.get("X-Log-Offset", offset))
+        if reply.content:
+            continue  # more may be there already
+        if not args.follow or reply.headers.get("X-Job-State") in ENDED:
+            return 0
+        time.sleep(FOLLOW_S)
+
+
+def cancel(args: argparse.Namespace) -> int:
+    job = client(args).call("POST", f"api/jobs/{args.job}/cancel").json()
+    print(f"job {job['id']}: {job['state']}: {job['reason']}")
+    return 0
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        return args.jobs_func(args)
+    except JobsError as error:
+        print(f"gpupool jobs: {error}", file=sys.stderr)
+        return 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    commands = parser.add_subparsers(dest="jobs_command", required=True, metavar="SUBCOMMAND")
+
+    def common(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--url", help="the hub (or the jobs service) URL (default: $GPUPOOL_HUB_URL, set in servers)")
+        sub.add_argument("--token", help="a hub API token (default: $JUPYTERHUB_API_TOKEN, set in servers)")
+
+    sub = commands.add_parser("submit", help="submit a training job: gpupool jobs submit --profile P -- CMD ...")
+    common(sub)
+    sub.add_argument("--profile", required=True, help="a profile your team may use (as on the spawn page)")
+    sub.add_argument("--team", help="the team it runs for (default: your team the profile is offered to)")
+    sub.add_argument("--max-restarts", type=int, help="failed runs restarted (default: the policy's)")
+    sub.add_argument("--priority", choices=["low", "normal", "high"], help="within what your team may use")
+    sub.add_argument("--preemptible", action="store_true", help="higher-priority work may preempt it")
+    sub.add_argument("--checkpoint-dir", help="where gpupool.train keeps its checkpoints (default: a private "
+                                              "folder of the job's in the team's storage)")
+    sub.add_argument("--env", action="append", metavar="NAME=VALUE", help="an extra environment variable")
+    sub.add_argument("--workdir", help="working directory (default: this one)")
+    sub.add_argument("--idempotency-key", help="a retried submit with the same key makes no second job")
+    sub.add_argument("--json", action="store_true", help="print the job as JSON")
+    sub.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command and its arguments")
+    sub.set_defaults(jobs_func=submit)
+
+    sub = commands.add_parser("list", help="my jobs (and my teams' for their leads)")
+    common(sub)
+    sub.add_argument("--json", action="store_true")
+    sub.set_defaults(jobs_func=list_jobs)
+
+    sub = commands.add_parser("show", help="a job: state, why, runs and their causes, GPU-hours, cost, log tail")
+    common(sub)
+    sub.add_argument("job")
+    sub.add_argument("--json", action="store_true")
+    sub.set_defaults(jobs_func=show)
+
+    sub = commands.add_parser("logs", help="a job's log (every run's output)")
+    common(sub)
+    sub.add_argument("job")
+    sub.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
+    sub.set_defaults(jobs_func=logs)
+
+    sub = commands.add_parser("cancel", help="cancel a job (a running one gets SIGTERM, then SIGKILL)")
+    common(sub)
+    sub.add_argument("job")
+    sub.set_defaults(jobs_func=cancel)
+    parser.set_defaults(func=main)

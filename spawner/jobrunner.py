@@ -1,0 +1,476 @@
+"""The embedded job runner: training jobs through the hub's one pool, as processes of their users.
+
+It runs in the hub process (`gpupool.hub.app.GPUPoolHub` starts it), beside the spawners, and asks the same
+`LocalPool` for every run of a job, so servers and jobs wait in one queue, count against the same quotas and
+budgets through the same door, and are ordered by one set of priorities. The jobs themselves live in the
+ledger's database (`accounting.jobs.JobStore`): the jobs service writes submissions and cancels there, this
+runner starts what waits, watches what runs and ends each run by the restart rules.
+
+A run is a process group of the job's user (`python -m gpupool.train.launch` around the job's command), with
+a server's environment for the job's share (`CUDA_*`, `GPUPOOL_*`, MLflow, DVC) plus `GPUPOOL_JOB_ID`,
+`GPUPOOL_CHECKPOINT_DIR` and `GPUPOOL_RESTART_COUNT`; its output is appended to the job's log. Each run is
+one ledger interval of kind `job`: reserved while placed, billed from its start to its end. A run outlives
+a restart of the hub: the runner re-adopts it by PID and process start time, and learns its exit status
+from the file the launcher writes.
+
+Preemption: a request (server or job) that waits for room may stop preemptible jobs of lower priority
+(`accounting.preemption.victims`): SIGTERM to the group, `jobs.grace_seconds`, then SIGKILL. The preempted
+job goes back to the head of its priority in the queue, and its restart count does not change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime
+from fractions import Fraction
+from pathlib import Path
+
+from gpupool.hub.accounting import periods
+from gpupool.hub.accounting.admission import LOWEST_PRIORITY, Reason
+from gpupool.hub.accounting.jobs import Job, JobStore, Run, default_checkpoint_dir, job_log, priority_order
+from gpupool.hub.accounting.ledger import HowEnded, Ledger, job_run_key
+from gpupool.hub.accounting.preemption import Holder, victims
+from gpupool.hub.accounting.restarts import Ended, Event
+from gpupool.policies.choice import Choice
+from gpupool.policies.model import Policy
+from gpupool.policies.resources import profile_share
+from gpupool.spawner.local import (
+    LocalGPUSpawner, ensure_system_user, ensure_team_folder, exit_record, mps_env, read_exit_record,
+    server_env_paths, watch_exit,
+)
+from gpupool.spawner.mixin import choice_env, mlflow_env
+from gpupool.spawner.placement import choose_cards, placement_for
+from gpupool.spawner.pool import Allocation, LocalPool, Refused, Request, process_alive, process_start_time
+
+#: Seconds between two looks at the jobs table, the runs' processes and the queue.
+TICK_S = 1.0
+#: Seconds between two heartbeats of a running job's ledger interval.
+HEARTBEAT_S = 30.0
+#: Events after which a job goes back to the head of its priority in the queue.
+REQUEUED = {Event.PREEMPTED.value, Event.NODE_LOST.value, Event.PLATFORM_RESTART.value}
+HOW: dict[Event, HowEnded] = {
+    Event.SUCCEEDED: HowEnded.STOPPED, Event.FAILED: HowEnded.FAILED, Event.PREEMPTED: HowEnded.PREEMPTED,
+    Event.NODE_LOST: HowEnded.FAILED, Event.PLATFORM_RESTART: HowEnded.FAILED, Event.SUSPENDED: HowEnded.STOPPED,
+    Event.CANCELLED: HowEnded.STOPPED,
+}
+
+
+def pool_key(job_id: str) -> str:
+    """The job's key in the pool's queue and allocations (no `/`: no server's key looks like it)."""
+    return f"job:{job_id}"
+
+
+def is_job_key(key: str) -> bool:
+    return key.startswith("job:") and "/" not in key
+
+
+@dataclass
+class Active:
+    """A run this runner watches."""
+
+    job: Job
+    run: Run
+    pid: int
+    started: float  # the process's start time (psutil), to tell it from a reused PID
+    proc: subprocess.Popen | None  # None for a run re-adopted after a restart of the hub
+    exit_file: Path
+    allocation: Allocation | None
+    stopping: Event | None = None  # why this runner is stopping it (SIGTERM sent)
+    kill_at: float | None = None  # when SIGKILL follows
+    seen: float = 0.0  # last heartbeat (monotonic)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What one run of a job is started with."""
+
+    job: Job
+    attempt: int
+    restarts: int
+    allocation: Allocation | None
+    token: str | None  # a hub API token of the job's user for this run (MLflow, the jobs service)
+    hub_api_url: str
+
+
+def private_folder(spawner: LocalGPUSpawner, job: Job) -> Path:
+    """The run's private folder (DVC config, credentials, exit status): the user's, like a server's."""
+    return Path(spawner.server_config_root) / job.user / f"job-{job.id}"
+
+
+def _private(folder: Path, owner: tuple[int, int] | None) -> None:
+    """`folder` made (or kept) as a real folder of `owner`'s only, 0700 (the team folder's default ACLs give
+    the group rwx; mode 0700 masks them)."""
+    folder.mkdir(exist_ok=True)
+    if folder.is_symlink() or not folder.is_dir():
+        raise RuntimeError(f"{folder} is not a folder (a link?): the job's checkpoints cannot go there")
+    os.chmod(folder, 0o700)
+    if owner is not None:
+        os.chown(folder, *owner)
+
+
+def checkpoint_folder(checkpoints: Path, owner: tuple[int, int] | None) -> None:
+    """The default checkpoint folder `TEAM/checkpoints/USER/JOB`: `checkpoints` the platform's (0711: members
+    pass through to their own folder, list nothing, create nothing), `USER` and `JOB` the user's, 0700, so no
+    teammate can read a checkpoint or plant one for a job to load."""
+    shared = checkpoints.parent.parent
+    shared.mkdir(exist_ok=True)
+    if shared.is_symlink() or shared.stat().st_uid != os.getuid():
+        raise RuntimeError(f"{shared} is not the platform's own folder (someone else made it): move it away; "
+                           "jobs keep their checkpoints there")
+    os.chmod(shared, 0o711)
+    _private(checkpoints.parent, owner)
+    _private(checkpoints, owner)
+
+
+def launch(spawner: LocalGPUSpawner, started: Launch, state_dir: str) -> tuple[subprocess.Popen, Path]:
+    """Start one run of a job as its user (a thread's work: accounts, folders, files); its process and the
+    file its exit status will be written to."""
+    job, choice, policy = started.job, spawner.gpupool_choice, spawner.policy
+    teams = spawner.user_teams()
+    owner = None
+    if spawner.run_as == "user":
+        account = ensure_system_user(job.user, teams, spawner.log, spawner.identity_record)
+        owner = (account.uid, account.gid)
+    for team in teams:
+        ensure_team_folder(Path(spawner.team_root), team, spawner.run_as == "user")
+    env = spawner.user_env({})
+    env.update(server_env_paths(spawner.server_env, env.get("HOME", ""), os.environ.get("PATH", ""),
+                                spawner.run_as))
+    env.update({k: v for k, v in spawner.environment.items() if isinstance(v, str)})
+    env.update({"JUPYTERHUB_USER": job.user, "JUPYTERHUB_API_URL": started.hub_api_url})
+    if started.token:
+        env["JUPYTERHUB_API_TOKEN"] = started.token
+        if spawner.mlflow_url:
+            env.update(mlflow_env(spawner.mlflow_url, started.token, job.team))
+    env.update(choice_env(choice, policy))
+    allocation = started.allocation
+    if allocation is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(allocation.cards)
+        if allocation.share < 1:
+            env.update(mps_env(state_dir, allocation.share, policy.models[allocation.model].memory_gib))
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    folder = private_folder(spawner, job)
+    env.update(spawner.dataset_env(folder))
+    checkpoints = Path(job.checkpoint_dir or default_checkpoint_dir(spawner.team_root, job.team, job.user, job.id))
+    if checkpoints == default_checkpoint_dir(spawner.team_root, job.team, job.user, job.id):
+        checkpoint_folder(checkpoints, owner)
+    env.update({"GPUPOOL_JOB_ID": job.id, "GPUPOOL_JOB_RUN": str(started.attempt),
+                "GPUPOOL_CHECKPOINT_DIR": str(checkpoints), "GPUPOOL_RESTART_COUNT": str(started.restarts)})
+    env.update(job.env)
+    workdir = job.workdir or env.get("HOME") or "/"
+    exit_file = folder / "exit-status"
+    exit_file.unlink(missing_ok=True)
+    become = spawner.make_preexec_fn(job.user)
+
+    def preexec():
+        become()
+        os.chdir(workdir)  # as the user: a folder they cannot enter fails the run
+
+    log = job_log(state_dir, job.id)
+    log.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+    python = str(Path(spawner.server_env) / "bin" / "python")
+    command = [python, "-m", "gpupool.train.launch", str(exit_file), "--", *job.command]
+    with open(log, "ab") as out:
+        out.write(f"--- gpupool: run {started.attempt} of job {job.id} starts at {periods.utcnow():%Y-%m-%d %H:%M:%S} "
+                  f"UTC{' on ' + ', '.join(allocation.cards) if allocation else ''} ---\n".encode())
+        out.flush()
+        try:
+            process = subprocess.Popen(command, env=env, cwd="/", stdin=subprocess.DEVNULL, stdout=out,
+                                       stderr=subprocess.STDOUT, preexec_fn=preexec, start_new_session=True,
+                                       close_fds=True)
+        except (OSError, subprocess.SubprocessError) as error:
+            out.write(f"--- gpupool: the run could not start in {workdir}: {error} ---\n".encode())
+            raise
+    return process, exit_file
+
+
+def read_exit_status(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    try:
+        os.killpg(pid, signum)  # the run's own session: its group id is its PID
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class JobRunner:
+    """Starts, watches, stops and re-adopts the runs of the jobs in `store`, through `pool`."""
+
+    def __init__(self, store: JobStore, pool: LocalPool, ledger: Ledger, policy_of: Callable[[], Policy],
+                 state_dir: str, spawner_of: Callable[[Job], Awaitable[LocalGPUSpawner]],
+                 token_of: Callable[[Job, int], Awaitable[str | None]],
+                 revoke: Callable[[Job, int], Awaitable[None]], hub_api_url: str, log, tick: float = TICK_S):
+        """`spawner_of(job)`: a `LocalGPUSpawner` of the hub's configuration for the job's user and choice
+        (every setting a server gets, from the one place it is configured); `token_of(job, attempt)` makes
+        the run's hub token, `revoke` removes it when the run ends."""
+        self.store, self.pool, self.ledger, self.policy_of = store, pool, ledger, policy_of
+        self.state_dir, self.spawner_of, self.token_of, self.revoke = state_dir, spawner_of, token_of, revoke
+        self.hub_api_url, self.log, self.tick_s = hub_api_url, log, tick
+        self.acquiring: dict[str, asyncio.Task] = {}
+        self.active: dict[str, Active] = {}
+        self._task: asyncio.Task | None = None
+
+    # --- the loop --------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.adopt()
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        """The hub goes down: stop watching (the runs go on; the next hub re-adopts them)."""
+        for task in [self._task, *self.acquiring.values()]:
+            if task is not None:
+                task.cancel()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the database unreachable, a bug: log, and try again at the next tick
+                self.log.exception("gpupool job runner: a round failed; trying again")
+            await asyncio.sleep(self.tick_s)
+
+    async def step(self) -> None:
+        """One round: start what waits, follow what runs, stop what was cancelled, preempt for what waits."""
+        policy = self.policy_of()
+        now = periods.utcnow()
+        waiting, live = await asyncio.to_thread(
+            lambda: (self.store.waiting(now, priority_order(policy)),
+                     {j.id: j for j in self.store.jobs(states=("queued", "restarting", "running"))}))
+        for job in waiting:
+            if job.id not in self.acquiring and job.id not in self.active:
+                self.acquiring[job.id] = asyncio.get_running_loop().create_task(self._acquire(job))
+        for job_id, task in list(self.acquiring.items()):
+            if job_id not in live:  # cancelled (or refused) while it waited
+                task.cancel()
+        for job_id, active in list(self.active.items()):
+            job = live.get(job_id)
+            if active.stopping is None and (job is None or job.cancel_requested):
+                self.stop_run(active, Event.CANCELLED, policy)
+            await self._follow(active, policy)
+        await self._reasons()
+        await self._preempt(policy)
+
+    # --- starting ----------------------------------------------------------------------------------------
+
+    async def _acquire(self, job: Job) -> None:
+        holding, allocation = None, None
+        try:
+            policy = self.policy_of()
+            profile = policy.profiles.get(job.profile)
+            if profile is None or job.team not in policy.teams:
+                await asyncio.to_thread(self.store.refuse, job.id, f"the policy no longer has profile {job.profile!r} "
+                                        f"or team {job.team!r}", periods.utcnow())
+                return
+            queued = periods.utcnow()
+            if profile.gpu is not None:
+                holding = job_run_key(job.id, queued)
+                runs = await asyncio.to_thread(self.store.runs, job.id)
+                request = Request(
+                    key=pool_key(job.id), user=job.user, team=job.team, profile=job.profile,
+                    display_name=f"job {job.id} ({profile.display_name})", model=profile.gpu.model,
+                    share=profile_share(profile, policy), priority=policy.job_priority(job.team, job.priority),
+                    holding=holding)
+                first = bool(runs) and runs[-1].event in REQUEUED
+                allocation = await self.pool.acquire(request, options={"job": job.id}, first=first)
+            run = await asyncio.to_thread(self.store.start_run, job.id, periods.utcnow(), holding=holding)
+            if run is None:  # cancelled as it was placed
+                self._give_back(job, holding)
+                return
+            await self._launch(job, run, allocation, periods.utcnow() - queued)
+        except Refused as refused:
+            await asyncio.to_thread(self.store.refuse, job.id, str(refused), periods.utcnow())
+        except asyncio.CancelledError:
+            self.pool.forget(pool_key(job.id))
+            raise
+        finally:
+            self.acquiring.pop(job.id, None)
+
+    def _give_back(self, job: Job, holding: str | None) -> None:
+        self.pool.release(pool_key(job.id))
+        if holding:
+            self.ledger.close_run(holding, periods.utcnow(), HowEnded.FAILED)  # reserved: never billed
+
+    async def _launch(self, job: Job, run: Run, allocation: Allocation | None, queue_wait) -> None:
+        spawner = await self.spawner_of(job)
+        spawner.gpupool_choice = Choice(job.profile, copy.deepcopy(spawner.policy.profiles[job.profile]), job.team, None)
+        token = await self.token_of(job, run.attempt)
+        job = await asyncio.to_thread(self.store.get, job.id) or job
+        started = Launch(job, run.attempt, job.restarts, allocation, token, self.hub_api_url)
+        try:
+            process, exit_file = await asyncio.to_thread(launch, spawner, started, self.state_dir)
+        except Exception as error:
+            self.log.error("gpupool job %s: run %d could not start: %s", job.id, run.attempt, error)
+            await self._end(job, run, allocation, Ended(Event.FAILED, 127), periods.utcnow())
+            return
+        pid_started = process_start_time(process.pid) or time.time()
+        await asyncio.to_thread(self.store.set_process, job.id, run.attempt, process.pid, int(pid_started * 1000))
+        active = Active(job, run, process.pid, pid_started, process, exit_file, allocation, seen=time.monotonic())
+        self.active[job.id] = active
+        watch_exit(process.pid, exit_record(self.state_dir, process.pid, pid_started))
+        if allocation is not None:
+            self.pool.store.mark_running(allocation.key, process.pid)
+            profile = spawner.gpupool_choice.profile
+            now = periods.utcnow()
+            await asyncio.to_thread(self.ledger.keep_run, run.holding, job.user, job.team, job.profile,
+                                    profile.gpu.model, allocation.share, now, now, queue_wait=queue_wait)
+        self.log.info("gpupool job %s (%s): run %d started as PID %d", job.id, job.user, run.attempt, process.pid)
+
+    # --- following and ending ------------------------------------------------------------------------------
+
+    async def _follow(self, active: Active, policy: Policy) -> None:
+        if active.proc is not None:
+            status = active.proc.poll()
+            gone = status is not None
+        else:
+            gone = not process_alive(active.pid, active.started)
+            status = read_exit_status(active.exit_file) if gone else None
+        if gone:
+            ended_at = None
+            if active.proc is None:
+                ended_at = read_exit_record(exit_record(self.state_dir, active.pid, active.started))
+            else:
+                exit_record(self.state_dir, active.pid, active.started).unlink(missing_ok=True)
+            if active.stopping is not None:
+                ended = Ended(active.stopping, status)
+            elif status is None:
+                ended = Ended(Event.FAILED, None)
+            else:
+                ended = Ended(Event.SUCCEEDED if status == 0 else Event.FAILED, status)
+            self.active.pop(active.job.id, None)
+            await self._end(active.job, active.run, active.allocation, ended, ended_at or periods.utcnow())
+            return
+        if active.kill_at is not None and time.monotonic() >= active.kill_at:
+            self.log.warning("gpupool job %s: still running %s s after SIGTERM; SIGKILL",
+                             active.job.id, policy.jobs.grace_seconds)
+            _signal_group(active.pid, signal.SIGKILL)
+            active.kill_at = None
+        if active.allocation is not None and time.monotonic() - active.seen >= HEARTBEAT_S:
+            active.seen = time.monotonic()
+            await asyncio.to_thread(self.ledger.heartbeat_run, active.run.holding, periods.utcnow())
+
+    def stop_run(self, active: Active, why: Event, policy: Policy) -> None:
+        """SIGTERM to the run's group now, SIGKILL after the policy's grace period; it ends as `why`."""
+        if active.stopping is not None:
+            return
+        active.stopping = why
+        active.kill_at = time.monotonic() + policy.jobs.grace_seconds
+        self.log.info("gpupool job %s: stopping run %d (%s): SIGTERM, SIGKILL in %d s", active.job.id,
+                      active.run.attempt, why.value, policy.jobs.grace_seconds)
+        _signal_group(active.pid, signal.SIGTERM)
+
+    async def _end(self, job: Job, run: Run, allocation: Allocation | None, ended: Ended, at: datetime) -> None:
+        policy = self.policy_of()
+        following = await asyncio.to_thread(self.store.end_run, job.id, run.attempt, ended, at, policy)
+        if run.holding:
+            await asyncio.to_thread(self.ledger.close_run, run.holding, at, HOW[ended.event])
+        self.pool.release(pool_key(job.id))
+        await self.revoke(job, run.attempt)
+        what = following.reason if following is not None else ended.event.value
+        try:
+            with open(job_log(self.state_dir, job.id), "ab") as out:
+                out.write(f"--- gpupool: run {run.attempt} ended at {at:%Y-%m-%d %H:%M:%S} UTC: {what} ---\n".encode())
+        except OSError:
+            pass
+        self.log.info("gpupool job %s: run %d ended (%s, exit %s): %s", job.id, run.attempt, ended.event.value,
+                      ended.exit_code, what)
+
+    async def adopt(self) -> None:
+        """After a restart of the hub: follow the runs that still run, end those that ended meanwhile."""
+        running = await asyncio.to_thread(self.store.running)
+        for job, run in running:
+            started = run.pid_started_ms / 1000 if run.pid_started_ms else None
+            allocation = self.pool.store.get(pool_key(job.id))
+            spawner = await self.spawner_of(job)
+            exit_file = private_folder(spawner, job) / "exit-status"
+            if run.pid is not None and process_alive(run.pid, started):
+                self.active[job.id] = Active(job, run, run.pid, started, None, exit_file, allocation,
+                                             seen=time.monotonic())
+                self.log.info("gpupool job %s: re-adopted run %d (PID %d)", job.id, run.attempt, run.pid)
+                continue
+            status = read_exit_status(exit_file) if run.pid is not None else None
+            ended_at = read_exit_record(exit_record(self.state_dir, run.pid, started)) if run.pid else None
+            if status is None:  # it did not end by itself (the machine restarted, or it never started)
+                ended = Ended(Event.PLATFORM_RESTART, None)
+            else:
+                ended = Ended(Event.SUCCEEDED if status == 0 else Event.FAILED, status)
+            if ended_at is None:
+                interval = self.ledger.run_intervals(run.holding)[-1:] if run.holding else []
+                ended_at = interval[0].last_seen if interval else periods.utcnow()
+            await self._end(job, run, allocation, ended, ended_at)
+        # Queue entries of jobs from before the restart: those still waiting are asked for again at the first
+        # round (and keep their place); the others leave the queue.
+        waiting = {j.id for j in await asyncio.to_thread(self.store.jobs, states=("queued", "restarting"))}
+        for key in [k for k in self.pool.restoring if is_job_key(k)]:
+            if key.removeprefix("job:") not in waiting:
+                self.pool.restoring.pop(key, None)
+                self.pool.store.dequeue(key)
+
+    # --- telling users why they wait, and preempting for them ----------------------------------------------
+
+    async def _reasons(self) -> None:
+        for job_id in list(self.acquiring):
+            ticket = self.pool.ticket(pool_key(job_id))
+            if ticket is not None and ticket.news:
+                await asyncio.to_thread(self.store.set_reason, job_id, ticket.message())
+
+    async def _preempt(self, policy: Policy) -> None:
+        rules = policy.jobs.preemption
+        blocked = [t for t in self.pool.waiting.values()
+                   if not t.future.done() and t.code is Reason.NO_CAPACITY]
+        if not rules.enabled or not blocked or not self.active:
+            return
+        stopping = {key for key, a in self.active.items() if a.stopping is not None}
+        blocked.sort(key=lambda t: (-t.request.priority, t.seq))
+        for ticket in blocked:
+            request = ticket.request
+            kind = "job" if is_job_key(request.key) else "server"
+            holders = await asyncio.to_thread(self._holders, policy, request.model, stopping)
+            cards = [c.uuid for c in sorted(self.pool.cards, key=lambda c: c.index) if c.model == request.model]
+            used = self.pool.store.used()
+            for key in stopping:  # what is being stopped already will be free: count it as free
+                active = self.active.get(key)
+                if active is not None and active.allocation is not None:
+                    for card in active.allocation.cards:
+                        used[card] = used.get(card, Fraction(0)) - min(active.allocation.share, Fraction(1))
+            placement = placement_for(policy, request.model)
+            chosen = victims(rules, kind, request.priority, request.model, request.share, cards, used, holders,
+                             lambda free, share: choose_cards(free, share, placement))
+            for job_id in chosen:
+                self.log.warning("gpupool: preempting job %s for %s (priority %d)", job_id, request.key,
+                                 request.priority)
+                self.stop_run(self.active[job_id], Event.PREEMPTED, policy)
+                stopping.add(job_id)
+            if chosen:
+                return  # one request at a time: the next round sees the room this one made
+
+    def _holders(self, policy: Policy, model: str, stopping: set[str]) -> list[Holder]:
+        holdings = self.pool.holdings()
+        holders = []
+        for job_id, active in self.active.items():
+            allocation = active.allocation
+            if allocation is None or job_id in stopping or allocation.model != model:
+                continue
+            job = active.job
+            request = Request(pool_key(job_id), job.user, job.team, job.profile, "", allocation.model,
+                              allocation.share, policy.job_priority(job.team, job.priority), holding=active.run.holding)
+            verdict = self.pool.decide(request, holdings)
+            holders.append(Holder(job_id, allocation.model, allocation.cards, min(allocation.share, Fraction(1)),
+                                  request.priority, job.preemptible, verdict.priority == LOWEST_PRIORITY,
+                                  active.started or 0.0))
+        return holders
