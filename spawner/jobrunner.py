@@ -222,6 +222,7 @@ class JobRunner:
         self.acquiring: dict[str, asyncio.Task] = {}
         self.active: dict[str, Active] = {}
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     # --- the loop --------------------------------------------------------------------------------------
 
@@ -231,6 +232,7 @@ class JobRunner:
 
     async def stop(self) -> None:
         """The hub goes down: stop watching (the runs go on; the next hub re-adopts them)."""
+        self._stopping = True
         for task in [self._task, *self.acquiring.values()]:
             if task is not None:
                 task.cancel()
@@ -296,7 +298,8 @@ class JobRunner:
         except Refused as refused:
             await asyncio.to_thread(self.store.refuse, job.id, str(refused), periods.utcnow())
         except asyncio.CancelledError:
-            self.pool.forget(pool_key(job.id))
+            if not self._stopping:  # cancelled by its user: it leaves the queue (a hub going down keeps it)
+                self.pool.forget(pool_key(job.id))
             raise
         finally:
             self.acquiring.pop(job.id, None)
@@ -335,12 +338,15 @@ class JobRunner:
 
     async def _follow(self, active: Active, policy: Policy) -> None:
         if active.proc is not None:
-            status = active.proc.poll()
-            gone = status is not None
+            gone = active.proc.poll() is not None
         else:
             gone = not process_alive(active.pid, active.started)
-            status = read_exit_status(active.exit_file) if gone else None
         if gone:
+            # The command's own status, as the launcher saw it (-9: SIGKILL); the launcher's when it wrote none
+            # (itself killed); unknown for a re-adopted run that left no file.
+            status = read_exit_status(active.exit_file)
+            if status is None and active.proc is not None:
+                status = active.proc.returncode
             ended_at = None
             if active.proc is None:
                 ended_at = read_exit_record(exit_record(self.state_dir, active.pid, active.started))

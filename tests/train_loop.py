@@ -4,7 +4,8 @@ benchmarks; the README's worked example is the same loop).
     python train_loop.py OUT_DIR [--steps N] [--every K] [--pause-at S] [--no-checkpoints]
 
 Every step done is appended to OUT_DIR/steps (one number per line, flushed), the final weights go to
-OUT_DIR/final.pt. `--pause-at S`: after step S it writes OUT_DIR/paused and waits there, to be killed or asked to stop.
+OUT_DIR/final.pt. `--pause-at S`: after step S it writes OUT_DIR/paused and waits there, to be killed or asked to stop (once: a
+run that finds OUT_DIR/paused there already goes on, as a restarted job's run must).
 Checkpoints go to $GPUPOOL_CHECKPOINT_DIR (a gpupool job has it set), else OUT_DIR/checkpoints.
 """
 
@@ -74,7 +75,7 @@ def main(argv: list[str]) -> int:
                 step, batch = step + 1, batch + 1
                 log.write(f"{step}\n")
                 log.flush()
-                if args.pause_at == step:  # waits here to be killed, or until asked to stop
+                if args.pause_at == step and not (args.out / "paused").exists():  # to be killed, or asked to stop
                     (args.out / "paused").write_text(str(os.getpid()))
                     while not should_stop():
                         time.sleep(0.01)

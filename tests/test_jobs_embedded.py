@@ -1,0 +1,328 @@
+"""Training jobs in the embedded mode, end to end: the real hub (`gpupool up`), its job runner, the jobs
+service, the `gpupool jobs` command, real processes (a tiny CPU PyTorch model, tests/train_loop.py).
+
+No double anywhere: the declared H200 card is the pool's inventory (no NVML here), as in every embedded test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+import sqlalchemy as sa
+import torch
+
+from gpupool.hub.accounting.ledger import INTERVALS, Ledger
+from gpupool.hub.harness import Hub, platform_command
+
+HERE = Path(__file__).resolve().parent
+POLICY = {
+    "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [hami, whole]}\n"
+                 "inventory:\n  - {model: H200, count: 1}\n",
+    "teams.yaml": """
+teams:
+  vision: {priority: 0, quota: {gpus: 10, per_user_gpus: 10}, job_priorities: [low, normal, high]}
+  other: {priority: 0}
+""",
+    "profiles.yaml": """
+profiles:
+  h200: {display_name: 1 × H200, gpu: {model: H200, count: 1}, teams: [vision, other], default: true}
+  cpu: {display_name: CPU only, teams: [vision, other]}
+""",
+    "billing.yaml": "billing: {prices: {H200: '3.20'}}\n",
+    "jobs.yaml": """
+jobs:
+  grace_seconds: 60
+  restarts: {max_restarts: 2, backoff_seconds: 1, max_backoff_seconds: 2, never_retry_exit_codes: [2]}
+""",
+}
+ENDED = ("succeeded", "failed", "cancelled")
+#: A job that runs until it is stopped, and exits 0 on SIGTERM.
+UNTIL_STOPPED = [sys.executable, "-c", "import signal, sys, time\n"
+                 "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+                 "print('holding the card', flush=True)\n"
+                 "while True: time.sleep(0.1)"]
+
+
+def _kill_leftovers(hub: Hub) -> None:
+    for process in psutil.process_iter(["cmdline"]):  # no job, server or service outlives the test
+        if str(hub.state) in " ".join(process.info["cmdline"] or []) or str(hub.log.parent) in " ".join(
+                process.info["cmdline"] or []):
+            process.kill()
+
+
+@pytest.fixture
+def hub(tmp_path):
+    hub = Hub(tmp_path, POLICY, 'c.LocalGPUSpawner.run_as = "self"', mlflow=False)
+    hub.start()
+    hub.wait_service("jobs", "health")
+    yield hub
+    hub.kill()
+    _kill_leftovers(hub)
+
+
+class Jobs:
+    """The jobs service's REST API as one user calls it, with their own hub token."""
+
+    def __init__(self, hub: Hub, user: str):
+        self.hub, self.user = hub, user
+        self.session = requests.Session()
+        self.token = hub.user_token(user)
+        self.session.headers["Authorization"] = f"token {self.token}"
+        self.base = f"{hub.url}/services/jobs/"
+
+    def call(self, method: str, path: str, **kw) -> requests.Response:
+        return self.session.request(method, self.base + path, timeout=30, **kw)
+
+    def submit(self, **body) -> dict:
+        reply = self.call("POST", "api/jobs", json=body)
+        assert reply.status_code == 201, reply.text
+        return reply.json()
+
+    def get(self, job_id: str) -> dict:
+        reply = self.call("GET", f"api/jobs/{job_id}")
+        assert reply.status_code == 200, reply.text
+        return reply.json()
+
+    def wait(self, job_id: str, until, timeout: float = 240, what: str = "") -> dict:
+        deadline = time.monotonic() + timeout
+        job = self.get(job_id)
+        while time.monotonic() < deadline:
+            job = self.get(job_id)
+            if until(job):
+                return job
+            time.sleep(0.3)
+        raise AssertionError(f"job {job_id} did not get {what or 'there'} in {timeout} s: {json.dumps(job)[:3000]}\n"
+                             f"{self.hub.log.read_text()[-3000:]}")
+
+    def cli(self, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+        """`gpupool jobs ARGS` as in a server's terminal: its token and the hub's address in the environment."""
+        env = {**os.environ, "JUPYTERHUB_API_TOKEN": self.token, "GPUPOOL_HUB_URL": self.hub.url + "/"}
+        return subprocess.run([str(platform_command(None)), "jobs", *args], cwd=cwd, env=env, capture_output=True,
+                              text=True, timeout=120, check=False)
+
+
+def job_intervals(hub: Hub, job_id: str) -> list:
+    """The ledger's intervals of the job's runs, in order."""
+    ledger = Ledger(hub.ledger_url, migrate=False)
+    try:
+        with ledger.engine.connect() as connection:
+            rows = connection.execute(sa.select(INTERVALS).where(INTERVALS.c.key.like(f"job:{job_id}@%"))
+                                      .order_by(INTERVALS.c.start_at, INTERVALS.c.id)).all()
+        return rows
+    finally:
+        ledger.dispose()
+
+
+def wait_for(path: Path, jobs: Jobs, job_id: str, timeout: float = 180) -> str:
+    """The text of `path` once the job's run wrote it (the job's state and log when it never does)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text():
+            return path.read_text()
+        job = jobs.get(job_id)
+        assert job["state"] not in ENDED, f"job {job_id} ended before writing {path.name}: {json.dumps(job)[:3000]}"
+        time.sleep(0.2)
+    raise AssertionError(f"{path} did not appear in {timeout} s: {json.dumps(jobs.get(job_id))[:3000]}")
+
+
+def steps_of(out: Path) -> list[int]:
+    return [int(line) for line in (out / "steps").read_text().split()]
+
+
+def uninterrupted(out: Path, steps: int, every: int) -> dict:
+    result = subprocess.run([sys.executable, str(HERE / "train_loop.py"), str(out), "--steps", str(steps),
+                             "--every", str(every)], env={k: v for k, v in os.environ.items()
+                                                          if k != "GPUPOOL_CHECKPOINT_DIR"},
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(out / "final.pt")
+
+
+def test_a_job_sigkilled_mid_run_restarts_by_itself_and_resumes_to_the_same_weights(hub, tmp_path):
+    steps, every, kill_at = 40, 5, 13
+    whole = uninterrupted(tmp_path / "whole", steps, every)
+    hub.add_user("alice", "vision")
+    alice = Jobs(hub, "alice")
+    out = tmp_path / "job"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    # Submitted as a person does, from a terminal in another folder: `gpupool jobs submit … -- CMD`.
+    submitted = alice.cli("submit", "--profile", "h200", "--max-restarts", "2", "--json", "--",
+                          sys.executable, str(HERE / "train_loop.py"), str(out), "--steps", str(steps),
+                          "--every", str(every), "--pause-at", str(kill_at), cwd=elsewhere)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = json.loads(submitted.stdout)["id"]
+    assert json.loads(submitted.stdout)["workdir"] == str(elsewhere)  # it runs where it was submitted from
+
+    pid = int(wait_for(out / "paused", alice, job_id))  # the training process, at step 13: a crash of it
+    os.kill(pid, signal.SIGKILL)
+    job = alice.wait(job_id, lambda j: j["state"] in ENDED, what="to its end")
+    assert job["state"] == "succeeded", job
+    assert [r["event"] for r in job["runs"]] == ["failed", "succeeded"]
+    assert job["runs"][0]["exit_code"] == -signal.SIGKILL and job["runs"][0]["counted"]
+    assert job["restarts"] == 1
+    # It resumed from the last committed checkpoint (step 10): at most `every` steps redone, the counter goes on.
+    assert steps_of(out) == list(range(1, kill_at + 1)) + list(range(10 + 1, steps + 1))
+    again = torch.load(out / "final.pt")
+    assert all(torch.equal(whole[name], again[name]) for name in whole)  # bit for bit
+    # Its checkpoints are in its own folder of the team's storage, which only its user enters.
+    checkpoints = Path(job["checkpoint_dir"])
+    assert checkpoints == hub.team_root / "vision" / "checkpoints" / "alice" / job_id
+    assert (checkpoints.stat().st_mode & 0o777, checkpoints.parent.stat().st_mode & 0o777) == (0o700, 0o700)
+
+    # Each run is one ledger interval of kind `job`, billed, one after the other.
+    intervals = job_intervals(hub, job_id)
+    assert [(i.kind, i.state, i.how) for i in intervals] == [("job", "running", "failed"), ("job", "running", "stopped")]
+    assert intervals[0].end_at <= intervals[1].start_at
+    assert float(job["gpu_hours"]) > 0 and job["cost"] != ""
+
+    # What the person sees: show (the restart and its cause), logs (every run's output).
+    shown = alice.cli("show", job_id, cwd=elsewhere)
+    assert shown.returncode == 0, shown.stderr
+    assert "succeeded" in shown.stdout and "run 1:" in shown.stdout and "exit -9" in shown.stdout, shown.stdout
+    logs = alice.cli("logs", job_id, cwd=elsewhere)
+    assert "resumed from step 10" in logs.stdout and "run 2 of job" in logs.stdout, logs.stdout
+    listed = alice.cli("list", cwd=elsewhere)
+    assert job_id in listed.stdout and "succeeded" in listed.stdout
+
+
+def test_a_notebook_preempts_a_low_priority_job_which_saves_requeues_and_resumes(hub, tmp_path):
+    steps = 30
+    whole = uninterrupted(tmp_path / "whole", steps, 100)
+    hub.add_user("alice", "vision")
+    alice = Jobs(hub, "alice")
+    out = tmp_path / "job"
+    job = alice.submit(profile="h200", priority="low", preemptible=True,
+                       command=[sys.executable, str(HERE / "train_loop.py"), str(out), "--steps", str(steps),
+                                "--every", "100", "--pause-at", "7"])
+    wait_for(out / "paused", alice, job["id"])  # it holds the only card, at step 7, with no checkpoint yet
+    # A notebook (normal priority: above a low job) asks for the card: the job is preempted for it.
+    assert hub.api("POST", "/users/alice/server", json={"profile": "h200"}).status_code in (201, 202)
+    hub.wait_ready("alice", timeout=240)
+    preempted = alice.wait(job["id"], lambda j: j["runs"] and j["runs"][0]["ended_at"], what="preempted")
+    assert preempted["runs"][0]["event"] == "preempted" and not preempted["runs"][0]["counted"], preempted
+    assert preempted["restarts"] == 0 and preempted["state"] in ("queued", "restarting"), preempted
+    assert "asked to stop: saved step 7" in alice.call("GET", f"api/jobs/{job['id']}/log").text
+    time.sleep(2)  # the queue has had its passes: the job waits, the notebook keeps the card
+    assert alice.get(job["id"])["state"] == "queued"
+
+    hub.stop_server("alice", timeout=120)  # room again: the job resumes from the checkpoint it saved
+    done = alice.wait(job["id"], lambda j: j["state"] in ENDED, what="to its end")
+    assert done["state"] == "succeeded" and done["restarts"] == 0, done
+    assert [r["event"] for r in done["runs"]] == ["preempted", "succeeded"]
+    assert steps_of(out) == list(range(1, steps + 1))  # saved at the step it was stopped: nothing redone
+    again = torch.load(out / "final.pt")
+    assert all(torch.equal(whole[name], again[name]) for name in whole)
+    # The card was never held twice: job run 1, then the notebook, then job run 2.
+    runs = job_intervals(hub, job["id"])
+    assert [(i.how, i.state) for i in runs] == [("preempted", "running"), ("stopped", "running")]
+    ledger = Ledger(hub.ledger_url, migrate=False)
+    with ledger.engine.connect() as connection:
+        (server,) = connection.execute(sa.select(INTERVALS).where(INTERVALS.c.kind == "server",
+                                                                  INTERVALS.c.state == "running")).all()
+    ledger.dispose()
+    assert runs[0].end_at <= server.start_at and server.end_at <= runs[1].start_at
+
+
+def test_failures_cancels_a_hub_restart_and_other_teams(hub, tmp_path):
+    hub.add_user("alice", "vision")
+    hub.add_user("bob", "other")
+    alice, bob = Jobs(hub, "alice"), Jobs(hub, "bob")
+
+    # Retries exhausted: failed, with the last exit code and the log's last lines.
+    failing = alice.submit(profile="cpu", max_restarts=1, command=["sh", "-c", "echo boom; exit 3"])
+    failed = alice.wait(failing["id"], lambda j: j["state"] in ENDED)
+    assert (failed["state"], failed["exit_code"], failed["restarts"], len(failed["runs"])) == ("failed", 3, 1, 2)
+    assert "after 1 restart" in failed["reason"] and "boom" in failed["log_tail"]
+    # A never-retry exit code (a usage error) fails at once.
+    usage = alice.wait(alice.submit(profile="cpu", command=["sh", "-c", "exit 2"])["id"], lambda j: j["state"] in ENDED)
+    assert (usage["state"], len(usage["runs"])) == ("failed", 1)
+
+    # One job holds the card; another waits behind it (not preemptible, same priority), a third is cancelled there.
+    holder = alice.submit(profile="h200", command=UNTIL_STOPPED)
+    alice.wait(holder["id"], lambda j: j["state"] == "running")
+    queued = alice.submit(profile="h200", command=["sh", "-c", "echo second done"])
+    cancelled = alice.submit(profile="h200", command=["sh", "-c", "echo never"])
+    alice.wait(queued["id"], lambda j: "position" in j["reason"], what="a place in the queue")
+    assert alice.call("POST", f"api/jobs/{cancelled['id']}/cancel").status_code == 200
+    never = alice.wait(cancelled["id"], lambda j: j["state"] in ENDED)
+    assert (never["state"], never["runs"], never["reason"]) == ("cancelled", [], "cancelled while queued: it never ran")
+
+    # Another team's user gets 404 on every route of alice's job, and does not see it listed.
+    for method, path in [("GET", "api/jobs/{}"), ("DELETE", "api/jobs/{}"), ("POST", "api/jobs/{}/cancel"),
+                         ("GET", "api/jobs/{}/log"), ("GET", "jobs/{}")]:
+        assert bob.call(method, path.format(holder["id"])).status_code == 404, (method, path)
+    assert bob.call("GET", "api/jobs").json() == {"jobs": []}
+    # Bad input gets a 4xx naming what is wrong, and makes no job.
+    refusals = [({"profile": "h100", "command": ["x"]}, 400, "no profile 'h100' (options: cpu, h200)"),
+                ({"profile": "cpu", "command": ["x"], "env": {"PATH": "/tmp"}}, 400, "PATH is set by the platform"),
+                ({"profile": "cpu", "command": ["x"], "priority": "high"}, 403, "may not run high-priority jobs"),
+                ({"profile": "cpu", "command": []}, 400, "command")]
+    for body, status, words in refusals:
+        reply = bob.call("POST", "api/jobs", json=body)
+        assert (reply.status_code, words in reply.json()["message"]) == (status, True), reply.text
+    assert bob.call("POST", "api/jobs", data="{not json").status_code == 400
+    assert bob.call("GET", "api/jobs").json() == {"jobs": []}
+
+    # The hub crashes while one job runs and another waits: neither is lost.
+    process = next(p for p in psutil.process_iter(["cmdline"]) if "holding the card" in " ".join(p.info["cmdline"] or []))
+    hub.kill()
+    hub.start()
+    hub.wait_service("jobs", "health")
+    assert process.is_running()  # the run went on while the hub was down
+    assert alice.get(holder["id"])["state"] == "running" and alice.get(queued["id"])["state"] == "queued"
+    assert alice.call("POST", f"api/jobs/{holder['id']}/cancel").status_code == 200  # the re-adopted run stops
+    stopped = alice.wait(holder["id"], lambda j: j["state"] in ENDED)
+    assert (stopped["state"], len(stopped["runs"]), stopped["runs"][0]["event"]) == ("cancelled", 1, "cancelled")
+    second = alice.wait(queued["id"], lambda j: j["state"] in ENDED)
+    assert second["state"] == "succeeded" and "second done" in second["log_tail"]
+    # The holder's one run is one interval across the restart, ended by the cancel; the second's starts after it.
+    (held,), (then,) = job_intervals(hub, holder["id"]), job_intervals(hub, queued["id"])
+    assert (held.how, held.state) == ("stopped", "running") and held.end_at <= then.start_at
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="jobs run as their users' own accounts only when the hub runs as "
+                    "root (CI runs the tests as root)")
+def test_a_job_runs_as_its_user_with_a_servers_environment_and_a_private_checkpoint_folder():
+    # Not under pytest's private tmp_path: the job's user enters the team folders beside the state folder.
+    tmp = Path(tempfile.mkdtemp(prefix="gpupool-jobs-"))
+    os.chmod(tmp, 0o755)
+    hub = Hub(tmp, POLICY, mlflow=False)
+    hub.start()
+    try:
+        hub.wait_service("jobs", "health")
+        hub.add_user("jobuser", "vision")
+        jobs = Jobs(hub, "jobuser")
+        script = ('id -un; pwd; echo "CUDA=$CUDA_VISIBLE_DEVICES JOB=$GPUPOOL_JOB_ID RESTARTS=$GPUPOOL_RESTART_COUNT '
+                  'TEAM=$GPUPOOL_TEAM"; echo "CKPT=$GPUPOOL_CHECKPOINT_DIR"; echo "DVC=$DVC_GLOBAL_CONFIG_DIR"; '
+                  'touch "$GPUPOOL_CHECKPOINT_DIR/mine"; '
+                  'ls "$GPUPOOL_TEAM_ROOT/../state" 2>&1 | head -1')
+        job = jobs.submit(profile="h200", command=["sh", "-c", script], workdir="/tmp")
+        done = jobs.wait(job["id"], lambda j: j["state"] in ENDED)
+        assert done["state"] == "succeeded", done
+        log = done["log_tail"]
+        account = pwd.getpwnam("gp-jobuser")
+        assert "\ngp-jobuser\n/tmp\n" in log, log
+        assert f"CUDA=GPU-declared-H200-0 JOB={job['id']} RESTARTS=0 TEAM=vision" in log, log
+        checkpoints = Path(done["checkpoint_dir"])
+        assert f"CKPT={checkpoints}" in log and "DVC=" in log
+        assert ((checkpoints / "mine").stat().st_uid, checkpoints.stat().st_uid) == (account.pw_uid, account.pw_uid)
+        assert checkpoints.stat().st_mode & 0o777 == 0o700
+        shared = checkpoints.parent.parent
+        assert (shared.stat().st_uid, shared.stat().st_mode & 0o777) == (0, 0o711)  # nobody plants a folder there
+        assert "Permission denied" in log  # the hub's state folder is not the job's to read
+    finally:
+        hub.kill()
+        _kill_leftovers(hub)
+        subprocess.run(["userdel", "--remove", "gp-jobuser"], capture_output=True, check=False)
