@@ -4,8 +4,9 @@ A request that cannot fit may stop the lowest-priority *preemptible* jobs, when 
 lets its kind (`server` or `job`) preempt and each of them is at least `min_priority_gap` below it. Notebook
 servers are never preempted, and nothing of a priority at or above the request's is. Over-budget
 (deprioritized) work goes first, then the lowest priority, then the most recently started (it has lost
-the least). The fewest such jobs that make room, by the same placement the pool uses, are the answer; none
-when even all of them would not.
+the least). Taken in that order until the request fits by the same placement the pool uses, then any that
+turned out unnecessary is given back, so none is preempted for nothing; none when even all of them would not
+make room.
 """
 
 from __future__ import annotations
