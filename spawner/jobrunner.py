@@ -367,8 +367,10 @@ class JobRunner:
             _signal_group(active.pid, signal.SIGKILL)
             active.kill_at = None
         if active.allocation is not None and time.monotonic() - active.seen >= HEARTBEAT_S:
-            active.seen = time.monotonic()
-            await asyncio.to_thread(self.ledger.heartbeat_run, active.run.holding, periods.utcnow())
+            # Seen running: a heartbeat, or a continuation where reconciliation closed it (the hub was down long).
+            active.seen, job, allocation = time.monotonic(), active.job, active.allocation
+            await asyncio.to_thread(self.ledger.keep_run, active.run.holding, job.user, job.team, job.profile,
+                                    allocation.model, allocation.share, active.run.started_at, periods.utcnow())
 
     def stop_run(self, active: Active, why: Event, policy: Policy) -> None:
         """SIGTERM to the run's group now, SIGKILL after the policy's grace period; it ends as `why`."""

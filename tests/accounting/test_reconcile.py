@@ -14,7 +14,9 @@ import pytest
 
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import AdmissionRequest
-from gpupool.hub.accounting.ledger import INTERVALS, CloseResult, HowEnded, Ledger, RunResult, _interval, run_key
+from gpupool.hub.accounting.ledger import (
+    INTERVALS, CloseResult, HowEnded, Ledger, RunResult, _interval, job_run_key, run_key, run_kind,
+)
 from gpupool.hub.accounting.reports import running_servers
 from gpupool.hub.accounting.servers import HubServer, reconcile, servers_of, user_groups
 
@@ -233,3 +235,24 @@ def test_a_reserved_holding_nobody_saw_is_reconciled_and_runs_from_when_it_did(l
     # The hub's REST API then shows it running (started at 10:00): it runs from 12:30, not from its closed holding
     assert ledger.keep_run(run, *FACTS, t(2026, 11, 3, 12, 30), t(2026, 11, 3, 12, 30)) is RunResult.CONTINUED
     assert ledger.gpu_hours("2026-11", ("user",), now=t(2026, 11, 3, 13, 30)) == {("alice",): Q}
+
+
+def test_a_training_jobs_run_is_kind_job_and_reconciliation_with_the_hub_leaves_it_alone(ledger, policy):
+    # A job is not one of the hub's servers: its runner reports it (keep_run, heartbeats, close_run).
+    run = job_run_key("0123456789ab", t(2026, 11, 3, 9))
+    assert run == "job:0123456789ab@2026-11-03T09:00:00.000000Z" and run_kind(run) == "job"
+    assert run_kind(run_key("alice", "", t(2026, 11, 3, 9))) == "server"
+    ledger.keep_run(run, *FACTS, t(2026, 11, 3, 9), t(2026, 11, 3, 11))
+    gone = run_key("carol", "", t(2026, 11, 3, 8))
+    ledger.keep_run(gone, "carol", "vision", "h200-quarter", "H200", Q, t(2026, 11, 3, 8), t(2026, 11, 3, 11))
+    done = reconcile(ledger, policy, [], GROUPS, t(2026, 11, 3, 12))
+    assert done.closed == [gone]
+    (job,) = pieces(ledger, run)
+    assert job.is_open and job.kind == "job" and pieces(ledger, gone)[0].kind == "server"
+    # Stale all the same when its runner stops reporting (the hub and its runner down for long): closed then.
+    assert ledger.reconcile(timedelta(minutes=5), now=t(2026, 11, 3, 12)) == [run]
+    (job,) = pieces(ledger, run)
+    assert (job.end, job.how, job.kind) == (t(2026, 11, 3, 11), "reconciled", "job")
+    # A continuation (the runner back, the job still running) is a job's too.
+    ledger.keep_run(run, *FACTS, t(2026, 11, 3, 9), t(2026, 11, 3, 12, 30))
+    assert [p.kind for p in pieces(ledger, run)] == ["job", "job"]
