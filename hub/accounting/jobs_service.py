@@ -18,6 +18,7 @@ from decimal import Decimal
 from urllib.parse import urlparse
 
 from jupyterhub.services.auth import HubOAuthCallbackHandler
+from markupsafe import Markup
 from pydantic import ValidationError
 from tornado import ioloop, web
 
@@ -195,7 +196,7 @@ class PageHandler(JobsHandler):
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.finish(self.settings["templates"].get_template(template).render(
             **self.hub_namespace(self.current_user), title=title, currency=self.policy.billing.currency,
-            service_prefix=self.settings["prefix"], xsrf_form_html=self.xsrf_form_html, **values))
+            service_prefix=self.settings["prefix"], xsrf_form_html=lambda: Markup(self.xsrf_form_html()), **values))
 
 
 class JobPageHandler(PageHandler):
