@@ -278,7 +278,7 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str, state_dir: str, team_
         ],
         ledger=ledger, store=JobStore(ledger.engine), policy_dir=policy_dir, state_dir=state_dir,
         team_root=team_root, cookie_secret=os.urandom(32), prefix=prefix, base_url=base_url,
-        nav_services=tuple(nav_services), templates=page_templates(), max_body_size=MAX_BODY_BYTES,
+        nav_services=tuple(nav_services), templates=page_templates(), max_body_size=MAX_BODY_BYTES, home_label="Your jobs",
         default_handler_class=NotFoundHandler,
     )
 

@@ -129,8 +129,9 @@ class AccountingHandler(HubOAuthenticated, web.RequestHandler):
         self.finish(self.settings["templates"].get_template("error.html").render(
             **self.hub_namespace(user), status_code=status_code,
             status_message=responses.get(status_code, "Error"), message=message,
-            extra_error_html=Markup('<a href="{}">Your usage</a> · <a href="{}">Back to the hub</a>').format(
-                self.settings["prefix"], self.settings["base_url"] + "hub/home")))
+            extra_error_html=Markup('<a href="{}">{}</a> · <a href="{}">Back to the hub</a>').format(
+                self.settings["prefix"], self.settings.get("home_label", "Your usage"),
+                self.settings["base_url"] + "hub/home")))
 
     def hub_namespace(self, user: dict | None) -> dict:
         """What the hub's page.html needs to draw its navigation bar, from the service's side of the proxy."""
