@@ -84,6 +84,13 @@ def server_label(server: str | None) -> str:
     return server or "default"
 
 
+def run_label(entry: Mapping[str, str | None]) -> str:
+    """What a running entry of `running_servers` is, for people: `job ID` for a training job, else the server."""
+    if entry.get("kind") == "job":
+        return "job " + str(entry["key"]).removeprefix("job:").partition("@")[0]
+    return server_label(entry["server"])
+
+
 def running_servers(ledger: Ledger, policy: Policy, user: str, now: datetime | None = None) -> list[dict[str, str]]:
     """`user`'s running servers: which server, share, since when, GPU-hours and cost so far, over the whole run.
 

@@ -41,7 +41,7 @@ from gpupool.hub.accounting.admission import format_hours, format_share, reached
 from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.reports import (
-    MAX_TOP, daily_utilisation, money, queue_waits, running_servers, server_label, team_daily, top_consumers,
+    MAX_TOP, daily_utilisation, money, queue_waits, run_label, running_servers, team_daily, top_consumers,
     user_usage,
 )
 from gpupool.hub.accounting.servers import HubClient, reconcile_with_hub
@@ -562,7 +562,7 @@ class PageHandler(AccountingHandler):
                     "GPU-h", limit=float(budget) if budget else None)),
             })
         running = [{**server, "cost": money(server["cost"], currency), "share": format_share(Fraction(server["share"])),
-                    "since": server["since"][:16].replace("T", " "), "server": server_label(server["server"])}
+                    "since": server["since"][:16].replace("T", " "), "server": run_label(server)}
                    for server in running_servers(self.ledger, policy, viewer.name, periods.utcnow())]
         self.render_page(
             "usage.html", f"Your GPU usage, {name}", "usage", period_name=name, alerts=alerts, teams=teams,
