@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import re
 import signal
 import subprocess
 import sys
@@ -290,6 +291,26 @@ def test_failures_cancels_a_hub_restart_and_other_teams(hub, tmp_path):
     # The holder's one run is one interval across the restart, ended by the cancel; the second's starts after it.
     (held,), (then,) = job_intervals(hub, holder["id"]), job_intervals(hub, queued["id"])
     assert (held.how, held.state) == ("stopped", "running") and held.end_at <= then.start_at
+
+
+def test_the_jobs_page_lists_a_job_and_its_cancel_button_cancels_it(hub):
+    # A person in a browser: signed up, approved, logged in on the hub's pages (cookies, the forms' _xsrf).
+    (browser,) = hub.sign_up(["carol"], "carol-password-long").values()
+    assert hub.api("POST", "/groups/vision/users", json={"users": ["carol"]}).status_code == 200
+    carol = Jobs(hub, "carol")
+    job = carol.submit(profile="cpu", command=UNTIL_STOPPED)
+    carol.wait(job["id"], lambda j: j["state"] == "running")
+    listing = browser.get(f"{hub.url}/services/jobs/", timeout=60)  # through the hub's OAuth, as a browser
+    assert listing.status_code == 200 and "Training jobs" in listing.text and f'data-job="{job["id"]}"' in listing.text
+    page = browser.get(f"{hub.url}/services/jobs/jobs/{job['id']}", timeout=60)
+    assert page.status_code == 200 and 'id="cancel"' in page.text
+    (xsrf,) = re.findall(r'name="_xsrf" value="([^"]+)"', page.text)
+    cancel = f"{hub.url}/services/jobs/jobs/{job['id']}/cancel"
+    assert browser.post(cancel, timeout=60, allow_redirects=False).status_code == 403  # no _xsrf: refused
+    assert carol.get(job["id"])["state"] == "running"
+    reply = browser.post(cancel, data={"_xsrf": xsrf}, timeout=60, allow_redirects=False)
+    assert reply.status_code == 302, reply.text[-2000:]
+    assert carol.wait(job["id"], lambda j: j["state"] in ENDED)["state"] == "cancelled"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="jobs run as their users' own accounts only when the hub runs as "
