@@ -121,6 +121,10 @@ def gpu_resources(request: GPURequest, model: GPUModel) -> GPUResources:
         limits = {names["count"]: count, names["memory"]: memory, names["cores"]: percent}
         if names["type_annotation"]:
             annotations[names["type_annotation"]] = name
+        if model.vendor == "nvidia":
+            # HAMi's type annotation is read by HAMi's scheduler only: any other scheduler (Volcano's, the
+            # default one) would place the share on any card with room, an A100 for an H200 profile.
+            node_selector[GPU_PRODUCT_LABEL] = product
     elif backend == "volcano-vgpu":
         limits = {
             "volcano.sh/vgpu-number": 1,

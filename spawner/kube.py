@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import copy
 import json
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -203,6 +203,12 @@ def gpupool_profile_list(spawner: GPUKubeSpawner) -> list[dict]:
 
 
 # --- reflectors of Volcano's PodGroups and their events ---------------------------------------------------
+
+
+def first_load(reflector: ResourceReflector) -> Awaitable[None]:
+    """Wait for a shared reflector's first list without owning it: a spawn whose wait is cancelled (its pod
+    started first, or it was stopped) must not cancel the future every later spawn of the hub waits on."""
+    return asyncio.shield(reflector.first_load_future)
 
 
 class _PodGroupAPI:
@@ -454,7 +460,7 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
                 self.log.warning("Cannot watch %s (%s): the spawn page will not show queue positions", kind, error)
                 return None
         try:
-            await reflector.first_load_future
+            await first_load(reflector)
         except Exception:  # noqa: BLE001 - started by another spawn and failed there (logged there)
             return None
         return reflector
@@ -474,7 +480,7 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         while self.pod_reflector is None:
             await asyncio.sleep(self.queue_poll_interval)
         pods = self.pod_reflector
-        await pods.first_load_future
+        await first_load(pods)
         groups = await self._gpupool_reflector("podgroups", PodGroupReflector)
         group_events = await self._gpupool_reflector(
             "podgroup-events", PodGroupEventReflector, fields={"involvedObject.kind": "PodGroup"})

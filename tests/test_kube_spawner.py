@@ -10,11 +10,13 @@ through the same client library.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import inspect
 import re
 import shutil
 import threading
+import types
 from datetime import UTC, datetime, timedelta
 from fractions import Fraction
 from pathlib import Path
@@ -28,7 +30,13 @@ from gpupool.hub.accounting.ledger import HowEnded, Ledger, State, run_key
 from gpupool.policies import load_policy
 from gpupool.hub.accounting import notify
 from gpupool.spawner import podgroups
-from gpupool.spawner.kube import UPSTREAM_INTERNALS, GPUKubeSpawner, policy_priorities, volcano_binding
+from gpupool.spawner.kube import (
+    UPSTREAM_INTERNALS,
+    GPUKubeSpawner,
+    PodGroupReflector,
+    policy_priorities,
+    volcano_binding,
+)
 from gpupool.spawner.usage import get_ledger
 from jupyterhub import orm
 from kube_double import NAMESPACE, PODGROUPS, Cluster, KubernetesAPIDouble, rfc3339
@@ -157,13 +165,14 @@ def spawner_config(policy_dir: Path, host: str = "http://127.0.0.1:9", start_tim
 TOLERATE_NVIDIA = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
 
 MANIFESTS = {
-    # HAMi fraction: one card, a quarter of its memory and cores, model pinned by HAMi's annotation.
+    # HAMi fraction: one card, a quarter of its memory and cores, model pinned by HAMi's annotation and, for
+    # any other scheduler, GPU feature discovery's label.
     ("alice", "vision", "h200-quarter", "tensorflow"): {
         "image": "quay.io/jupyter/tensorflow-notebook:cuda-2026-11-30",
         "limits": {"cpu": 8.0, "memory": 32 * 2**30, "nvidia.com/gpu": "1",
                    "nvidia.com/gpumem-percentage": "25", "nvidia.com/gpucores": "25"},
         "requests": {"nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "25", "nvidia.com/gpucores": "25"},
-        "nodeSelector": None, "tolerations": TOLERATE_NVIDIA, "priorityClassName": "gpupool-vision",
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"}, "tolerations": TOLERATE_NVIDIA, "priorityClassName": "gpupool-vision",
         "annotations": {"nvidia.com/use-gputype": "H200", "scheduling.volcano.sh/queue-name": "vision",
                         "volcano.sh/preemptable": "false", "gpupool.io/share": "1/4"},
         "labels": {"gpupool.io/team": "vision", "gpupool.io/profile": "h200-quarter", "gpupool.io/gpu-model": "H200"},
@@ -358,14 +367,16 @@ async def test_choices_do_not_leak_into_config_or_into_the_next_spawn():
     c.GPUKubeSpawner.node_selector = {"pool": "gpu"}
     hub = HubDB(c)
     spawner = hub.spawner("alice", ("vision",))
-    await spawner._run_apply_user_options({"profile": "h200-whole-2"})
-    assert spawner.extra_resource_limits == {"example.org/dongle": "1", "nvidia.com/gpu": "2"}
+    await spawner._run_apply_user_options({"profile": "rtx4090-whole"})
+    assert spawner.extra_resource_limits == {"example.org/dongle": "1", "nvidia.com/gpu": "1"}
+    assert spawner.node_selector == {"pool": "gpu", "nvidia.com/gpu.product": "NVIDIA-GeForce-RTX-4090"}
     await spawner._run_apply_user_options({"profile": "h200-quarter"})
     pod = await serialized(await spawner.get_pod_manifest())
     assert relevant(pod)["limits"] == {"cpu": 8.0, "memory": 32 * 2**30, "example.org/dongle": "1",
                                        "nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "25",
                                        "nvidia.com/gpucores": "25"}
-    assert pod["spec"]["nodeSelector"] == {"pool": "gpu"}  # the whole-card profile's selector is gone
+    # the whole-card profile's selector is gone
+    assert pod["spec"]["nodeSelector"] == {"pool": "gpu", "nvidia.com/gpu.product": "NVIDIA-H200"}
     assert c.GPUKubeSpawner.extra_resource_limits == {"example.org/dongle": "1"}
     assert hub.spawner("bob", ("vision",)).extra_resource_limits == {"example.org/dongle": "1"}
     # A new spawn clears the state first (User.spawn does); a start that skips apply_user_options (an
@@ -734,6 +745,32 @@ async def test_spawn_waits_in_queue_with_position_then_runs_stops_and_survives_r
     assert await again.poll() == 1
     ended = ledger.interval(running[0].key)
     assert ended.how == HowEnded.STOPPED and ended.end == later and ledger.open_intervals() == []
+
+
+@pytest.mark.asyncio
+async def test_a_wait_cancelled_before_the_first_load_leaves_the_shared_reflector_for_the_next_spawn(cluster, tmp_path):
+    # Seen against the real API server: a pod ran before the PodGroup reflector's first list was in, the spawn
+    # cancelled its queue watch, and the cancellation reached the reflector's shared first-load future: every
+    # later spawn of the hub then failed with CancelledError.
+    hub = HubDB(spawner_config(EXAMPLES, cluster.url))
+    spawner = hub.spawner("alice", ("vision",))
+    loading = asyncio.get_running_loop().create_future()
+    reflector = types.SimpleNamespace(first_load_future=loading)
+    key = spawner._get_reflector_key("podgroups")
+    GPUKubeSpawner.reflectors[key] = reflector
+    try:
+        first = asyncio.ensure_future(spawner._gpupool_reflector("podgroups", PodGroupReflector))
+        await asyncio.sleep(0)
+        first.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        assert not loading.cancelled()
+        second = asyncio.ensure_future(hub.spawner("bob", ("vision",))._gpupool_reflector("podgroups",
+                                                                                         PodGroupReflector))
+        loading.set_result(None)  # the first list arrives
+        assert await second is reflector
+    finally:
+        GPUKubeSpawner.reflectors.pop(key, None)
 
 
 @pytest.mark.asyncio

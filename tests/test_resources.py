@@ -16,7 +16,7 @@ NVIDIA_TAINT = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSch
 EXPECTED = {
     "h200-quarter": ("hami", Fraction(1, 4), {
         "limits": {"nvidia.com/gpu": 1, "nvidia.com/gpumem-percentage": 25, "nvidia.com/gpucores": 25},
-        "node_selector": {},
+        "node_selector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
         "annotations": {"nvidia.com/use-gputype": "H200"},
         "tolerations": NVIDIA_TAINT,
     }),
@@ -34,7 +34,7 @@ EXPECTED = {
     }),
     "a100-half-hami": ("hami", Fraction(1, 2), {
         "limits": {"nvidia.com/gpu": 1, "nvidia.com/gpumem-percentage": 50, "nvidia.com/gpucores": 50},
-        "node_selector": {},
+        "node_selector": {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"},
         "annotations": {"nvidia.com/use-gputype": "A100-80GB"},
         "tolerations": NVIDIA_TAINT,
     }),

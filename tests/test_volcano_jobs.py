@@ -174,6 +174,7 @@ def test_a_hami_job_with_checkpoints_renders_as_this_volcano_job(examples):
                             "volumeMounts": [{"name": "checkpoints", "mountPath": "/checkpoints",
                                               "subPath": "alice/0123456789ab"}],
                         }],
+                        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
                         "tolerations": TOLERATE_NVIDIA,
                         "volumes": [{"name": "checkpoints",
                                      "persistentVolumeClaim": {"claimName": "gpupool-checkpoints"}}],

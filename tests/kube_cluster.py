@@ -1,0 +1,326 @@
+"""The real Kubernetes control plane on loopback, for the tests of the Kubernetes mode (issue 15).
+
+etcd, kube-apiserver (token auth, RBAC, service-account keys made at start, the Priority admission plugin),
+kube-controller-manager (garbage collector, namespaces, service accounts), kube-scheduler and KWOK (nodes and
+pod lifecycles without a kubelet or containers), all built from the Go module proxy by `make kube-tools`
+(kube/build-tools.sh, versions in kube/versions.env) into a cache outside the repository. Every process
+listens on 127.0.0.1 on free ports and keeps its files in one temporary folder; the logs are kept when a test
+fails (the folder's path is printed).
+
+What is not real, and says so: Volcano. Its scheduler and controllers are not served by the Go module proxy
+these machines reach, so its CRDs (Queue, PodGroup, Job) come from `../shared/schemas/volcano/` (exactly as
+Volcano's chart installs them) and the API server validates and stores Volcano objects for real, but nothing
+schedules a Volcano Job or makes a bare pod's PodGroup. Pods that name `schedulerName: volcano` are bound by a
+second profile of the real kube-scheduler named `volcano` (`VOLCANO_STANDIN`): a stand-in for Volcano's
+scheduler, named as one in every test that relies on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import requests
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared"
+VOLCANO_CRDS = SHARED / "schemas" / "volcano"
+BUILD = ROOT / "kube" / "build-tools.sh"
+BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok")
+
+#: The annotation KWOK's nodes carry and KWOK selects on: nodes without it are left alone.
+FAKE_NODE = {"kwok.x-k8s.io/node": "fake"}
+#: The scheduler profile that stands in for Volcano's scheduler (see the module's docstring).
+VOLCANO_STANDIN = "volcano"
+
+def tools_dir() -> Path:
+    """Where `make kube-tools` puts this checkout's pinned set (one folder per set of versions)."""
+    done = subprocess.run(["bash", str(BUILD), "--print-dir"], capture_output=True, text=True, check=True)
+    return Path(done.stdout.strip())
+
+
+def missing_tools() -> str | None:
+    """Why the cluster cannot start here, or None: the binaries `make kube-tools` builds."""
+    bin_dir = tools_dir() / "bin"
+    absent = [name for name in BINARIES if not (bin_dir / name).is_file()]
+    if absent:
+        return f"the Kubernetes control plane is not built ({', '.join(absent)} missing in {bin_dir}): run make kube-tools"
+    if not VOLCANO_CRDS.is_dir():
+        return f"Volcano's CRDs are not in {VOLCANO_CRDS}"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait(what: str, ready, timeout: float, process: subprocess.Popen | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(Exception):
+            if result := ready():
+                return result
+        if process is not None and process.poll() is not None:
+            tail = log.read_text(errors="replace")[-3000:] if log else ""
+            raise RuntimeError(f"{what} exited with {process.returncode}:\n{tail}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not ready after {timeout} s")
+        time.sleep(0.2)
+
+
+def _scheduler_config() -> dict:
+    """kube-scheduler with its default profile and the `volcano` stand-in profile (same plugins)."""
+    return {"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
+            "leaderElection": {"leaderElect": False},
+            "profiles": [{"schedulerName": "default-scheduler"}, {"schedulerName": VOLCANO_STANDIN}]}
+
+
+def _kwok_stages(stages: Path) -> list[dict]:
+    """KWOK's own stages from its module: nodes become Ready, pods Running, Job pods complete, pods deleted;
+    and the chaos stage that fails a running container with the exit code of the pod's annotation."""
+    files = ["node/fast/node-initialize.yaml", "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+             "pod/fast/pod-ready.yaml", "pod/fast/pod-complete.yaml", "pod/fast/pod-delete.yaml",
+             "pod/chaos/pod-container-running-failed.yaml"]
+    return [yaml.safe_load((stages / name).read_text()) for name in files]
+
+
+#: What one card of a model offers of each resource a profile may ask for (the device plugins' units): HAMi
+#: splits a card ten ways and counts memory and cores in percent, MIG offers up to seven slices, Volcano's vGPU
+#: counts memory in MiB. Generous on purpose: the fake nodes must hold what the policies ask, no more is tested.
+PER_CARD = {"nvidia.com/gpu": 10, "nvidia.com/gpumem-percentage": 100, "nvidia.com/gpucores": 100,
+            "volcano.sh/vgpu-number": 10, "volcano.sh/vgpu-cores": 100, "hygon.com/dcunum": 10,
+            "hygon.com/dcucores": 100}
+NODE_BASICS = {"cpu": "64", "memory": "512Gi", "pods": "110", "ephemeral-storage": "1Ti"}
+
+
+def fake_nodes(policy, cards: int = 8, per_model: int = 2) -> list[dict]:
+    """Fake GPU nodes for the GPU profiles of `policy`: `per_model` nodes of `cards` cards for each model (and
+    for each MIG slice of the single strategy, whose nodes GPU feature discovery labels by slice), offering
+    every extended resource the model's profiles ask for (HAMi's, MIG's, time-slicing's, Volcano vGPU's,
+    other vendors'), labelled as GPU feature discovery labels them and tainted as the pods tolerate; plus one
+    CPU node without a taint."""
+    from gpupool.policies.model import product_label
+    from gpupool.policies.resources import profile_gpu
+
+    GPU_PRODUCT = "nvidia.com/gpu.product"
+    kinds: dict[tuple[str, str], dict] = {}
+    for profile in policy.profiles.values():
+        gpu = profile_gpu(profile, policy)
+        if gpu is None:
+            continue
+        model = policy.models[gpu.model]
+        product = gpu.node_selector.get(GPU_PRODUCT) or (product_label(gpu.model, model)
+                                                         if model.vendor == "nvidia" else "")
+        kind = kinds.setdefault((gpu.model, product), {"labels": {}, "resources": {}, "taints": []})
+        if product:
+            kind["labels"][GPU_PRODUCT] = product
+        kind["labels"].update(gpu.node_selector)
+        for toleration in gpu.tolerations:
+            taint = {"key": toleration["key"], "effect": toleration.get("effect", "NoSchedule"),
+                     **({"value": toleration["value"]} if "value" in toleration else {})}
+            if taint not in kind["taints"]:
+                kind["taints"].append(taint)
+        for name in gpu.limits:
+            if name.startswith("nvidia.com/mig-"):
+                per_card = 7
+            elif name == "nvidia.com/gpu.shared":
+                per_card = model.timeslice.replicas
+            elif name.endswith("-memory") or name.endswith("dcumem"):
+                per_card = model.memory_gib * 1024
+            else:
+                per_card = PER_CARD.get(name, 10)
+            kind["resources"][name] = str(cards * per_card)
+    nodes = []
+    for (model, product), kind in sorted(kinds.items()):
+        mig = product.split("-MIG-", 1)[1].lower().replace(".", "-") if "-MIG-" in product else ""
+        base = "-".join(filter(None, ["gpu", model.lower(), mig and f"mig-{mig}"]))
+        labels = {"gpupool.io/gpu-model": model, **kind["labels"],
+                  **({"nvidia.com/gpu.count": str(cards)} if "nvidia.com/gpu.product" in kind["labels"] else {})}
+        for i in range(per_model):
+            nodes.append({"name": f"{base}-{i}", "labels": labels, "taints": kind["taints"],
+                          "allocatable": {**NODE_BASICS, **kind["resources"]}})
+    nodes.append({"name": "cpu-0", "labels": {}, "allocatable": dict(NODE_BASICS), "taints": []})
+    return nodes
+
+
+class KubeCluster:
+    """A running control plane: `api()` is an admin's HTTP session, `kubectl()` an admin's kubectl."""
+
+    def __init__(self, base: Path):
+        self.base = base
+        self.bin = tools_dir() / "bin"
+        self.stages = tools_dir() / "kwok-stages"
+        self.processes: dict[str, subprocess.Popen] = {}
+        self.token = secrets.token_hex(16)
+        self.port = _free_port()
+        self.url = f"https://127.0.0.1:{self.port}"
+        self.kubeconfig = base / "kubeconfig"
+        self.ca = base / "certs" / "apiserver.crt"  # written by kube-apiserver at start (self-signed, with its CA)
+
+    # --- lifecycle ---------------------------------------------------------------------------------------
+
+    def _run(self, name: str, *args: str) -> subprocess.Popen:
+        log = self.base / f"{name}.log"
+        process = subprocess.Popen([str(self.bin / name.split(":")[0]), *args], stdout=log.open("wb"),
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.processes[name] = process
+        return process
+
+    def start(self) -> KubeCluster:
+        began = time.monotonic()
+        etcd_port, peer_port = _free_port(), _free_port()
+        etcd = self._run("etcd", "--data-dir", str(self.base / "etcd"), "--unsafe-no-fsync",
+                         "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
+                         "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
+                         "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+                         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+                         "--initial-cluster", f"default=http://127.0.0.1:{peer_port}",
+                         "--listen-metrics-urls", f"http://127.0.0.1:{_free_port()}", "--log-level", "warn")
+        _wait("etcd", lambda: requests.get(f"http://127.0.0.1:{etcd_port}/health", timeout=2).ok, 30,
+              etcd, self.base / "etcd.log")
+
+        # Service-account keys made at start; the admin's token in the system:masters group.
+        key = self.base / "sa.key"
+        subprocess.run(["openssl", "genrsa", "-out", str(key), "2048"], check=True, capture_output=True)
+        (self.base / "tokens.csv").write_text(f'{self.token},admin,admin,"system:masters"\n')
+        apiserver = self._run(
+            "kube-apiserver", "--etcd-servers", f"http://127.0.0.1:{etcd_port}",
+            "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1", "--secure-port", str(self.port),
+            # no Endpoints for the `kubernetes` Service: a loopback address is not a valid endpoint
+            "--endpoint-reconciler-type", "none",
+            "--cert-dir", str(self.base / "certs"), "--token-auth-file", str(self.base / "tokens.csv"),
+            "--authorization-mode", "RBAC", "--service-account-key-file", str(key),
+            "--service-account-signing-key-file", str(key),
+            "--service-account-issuer", "https://kubernetes.default.svc.cluster.local",
+            "--service-cluster-ip-range", "10.96.0.0/16",
+            "--enable-admission-plugins", "NamespaceLifecycle,ServiceAccount,Priority,DefaultTolerationSeconds",
+            "--disable-admission-plugins", "StorageObjectInUseProtection,PersistentVolumeClaimResize",
+            "--enable-priority-and-fairness=false", "--profiling=false", "--v=1")
+        _wait("kube-apiserver", lambda: self.api().get(f"{self.url}/readyz", timeout=3).ok, 90,
+              apiserver, self.base / "kube-apiserver.log")
+        session = self.api()
+
+        self.kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "gpupool-test",
+            "clusters": [{"name": "gpupool-test", "cluster": {"server": self.url, "certificate-authority": str(self.ca)}}],
+            "users": [{"name": "admin", "user": {"token": self.token}}],
+            "contexts": [{"name": "gpupool-test", "context": {"cluster": "gpupool-test", "user": "admin"}}],
+        }))
+        self._run("kube-controller-manager", "--kubeconfig", str(self.kubeconfig), "--leader-elect=false",
+                  # node-lifecycle lifts the not-ready taint the API server puts on new nodes once KWOK reports them Ready
+                  "--controllers", "garbagecollector,namespace,serviceaccount,serviceaccount-token,nodelifecycle",
+                  "--service-account-private-key-file", str(key), "--use-service-account-credentials=false",
+                  "--secure-port", "0", "--v=1")
+        scheduler_config = self.base / "scheduler.yaml"
+        scheduler_config.write_text(yaml.safe_dump(
+            {**_scheduler_config(), "clientConnection": {"kubeconfig": str(self.kubeconfig)}}))
+        self._run("kube-scheduler", "--config", str(scheduler_config), "--secure-port", "0", "--v=1")
+
+        stages = self.base / "kwok-stages.yaml"
+        stages.write_text(yaml.safe_dump_all(_kwok_stages(self.stages)))
+        self._run("kwok", "--kubeconfig", str(self.kubeconfig), "--config", str(stages),
+                  "--manage-all-nodes=false", "--manage-nodes-with-annotation-selector",
+                  ",".join(f"{k}={v}" for k, v in FAKE_NODE.items()),
+                  "--node-ip", "127.0.0.1", "--cidr", "10.244.0.1/16",
+                  "--node-lease-duration-seconds", "40", "--server-address", f"127.0.0.1:{_free_port()}")
+
+        self.kubectl("apply", "--server-side", "-f", str(VOLCANO_CRDS))
+        _wait("Volcano's CRDs", lambda: all(
+            session.get(f"{self.url}/apis/{group}/{version}/{plural}", timeout=3).ok
+            for group, version, plural in (("scheduling.volcano.sh", "v1beta1", "queues"),
+                                           ("scheduling.volcano.sh", "v1beta1", "podgroups"),
+                                           ("batch.volcano.sh", "v1alpha1", "jobs"))), 30)
+        _wait("the default service account", lambda: session.get(
+            f"{self.url}/api/v1/namespaces/default/serviceaccounts/default", timeout=3).ok, 60,
+            self.processes["kube-controller-manager"], self.base / "kube-controller-manager.log")
+        self.started_in = time.monotonic() - began
+        return self
+
+    def stop(self) -> None:
+        for process in reversed(list(self.processes.values())):
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+    def logs(self) -> str:
+        """The last lines of every component's log, for a failure's report."""
+        return "\n".join(f"--- {log.name}\n{log.read_text(errors='replace')[-2000:]}"
+                         for log in sorted(self.base.glob("*.log")))
+
+    # --- use ---------------------------------------------------------------------------------------------
+
+    def api(self) -> requests.Session:
+        """An HTTP session of the cluster's administrator (token auth; TLS checked against the API server's own
+        certificate, which it made at start in its `--cert-dir`)."""
+        session = requests.Session()
+        session.headers["Authorization"] = f"Bearer {self.token}"
+        session.verify = str(self.ca)
+        session.trust_env = False  # else REQUESTS_CA_BUNDLE from the environment replaces `verify`
+        return session
+
+    def kubectl(self, *args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
+        done = subprocess.run([str(self.bin / "kubectl"), "--kubeconfig", str(self.kubeconfig), *args],
+                              input=input, capture_output=True, text=True, timeout=120)
+        if check and done.returncode:
+            raise AssertionError(f"kubectl {' '.join(args)} exited {done.returncode}:\n{done.stderr}{done.stdout}")
+        return done
+
+    def get(self, path: str) -> dict:
+        reply = self.api().get(f"{self.url}{path}", timeout=10)
+        reply.raise_for_status()
+        return reply.json()
+
+    def add_node(self, name: str, labels: dict[str, str], allocatable: dict[str, str],
+                 taints: list[dict] | None = None) -> dict:
+        """A fake node that KWOK manages (Ready, with the given labels, extended resources and taints)."""
+        node = {"apiVersion": "v1", "kind": "Node",
+                "metadata": {"name": name, "annotations": dict(FAKE_NODE),
+                             "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                                        "type": "kwok", **labels}},
+                "spec": {"taints": taints or []},
+                "status": {"allocatable": allocatable, "capacity": allocatable}}
+        self.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(node))
+        def ready():
+            now = self.get(f"/api/v1/nodes/{name}")
+            conditions = {c["type"]: c["status"] for c in now["status"].get("conditions", [])}
+            # Ready by KWOK's node stage, and the not-ready taint lifted by the node lifecycle controller
+            not_ready = [t for t in now["spec"].get("taints") or [] if t["key"].startswith("node.kubernetes.io/")]
+            return now if conditions.get("Ready") == "True" and not not_ready else None
+        return _wait(f"node {name} Ready and schedulable", ready, 60)
+
+
+@contextlib.contextmanager
+def running_cluster(base: Path | None = None) -> Iterator[KubeCluster]:
+    """Start a cluster in `base` (a new temporary folder by default), stop it at the end; the folder and its
+    logs are removed only when the block ended without an exception."""
+    folder = base or Path(tempfile.mkdtemp(prefix="gpupool-kube-"))
+    cluster = KubeCluster(folder)
+    failed = True
+    try:
+        cluster.start()
+        yield cluster
+        failed = False
+    except BaseException:
+        print(f"\nKubernetes control plane logs kept in {folder}\n{cluster.logs()}")
+        raise
+    finally:
+        cluster.stop()
+        if not failed and base is None:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -1,0 +1,316 @@
+"""The Kubernetes mode against the real control plane (tests/kube_cluster.py): etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler and KWOK's fake GPU nodes, built by `make kube-tools`.
+
+What the API server checks for real here and no schema file did: server-side apply of `gpupool render`'s
+output (and that a second apply changes nothing), the chart's manifests in a server-side dry run, every
+profile's Volcano Job stored by Volcano's real CRDs without a field pruned, the Priority admission plugin
+giving pods the priority of their PriorityClass, and GPUKubeSpawner creating, watching (list + watch from a
+resourceVersion, label and field selectors as a real API server serves them), re-adopting and deleting a pod
+that the scheduler binds to a fake node of its GPU model and KWOK runs.
+
+Volcano itself cannot run here (its modules are not served by the Go module proxy): pods that name
+`schedulerName: volcano` are bound by the real kube-scheduler's `volcano` profile, a stand-in named as one
+(kube_cluster.VOLCANO_STANDIN); Volcano's queue admission, PodGroups and preemption are not exercised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import yaml
+
+from gpupool.hub.accounting import periods
+from gpupool.hub.accounting.ledger import HowEnded, State
+from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR, load_policy
+from gpupool.spawner.jobs import JobSpec, volcano_job
+from gpupool.spawner.kube import GPUKubeSpawner
+from gpupool.spawner.usage import get_ledger
+from gpupool.spawner.volcano import Release
+from kubespawner import KubeSpawner
+from kubernetes_asyncio.config import kube_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load(name: str):
+    # pytest's importlib mode puts no test folder on sys.path: load the helpers of the modules that own them.
+    spec = importlib.util.spec_from_file_location(f"gpupool_cluster_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+kc = _load("kube_cluster")
+kube = _load("test_kube_spawner")  # JupyterHub's real user objects around a GPUKubeSpawner
+helm_tests = _load("test_helm")  # the chart rendered by the real Helm library
+
+POLICY_SETS = pytest.mark.parametrize("policies", [DEFAULT_POLICY_DIR, EXAMPLES_DIR], ids=["default", "examples"])
+NAMESPACE = "gpupool-users"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    problem = kc.missing_tools()
+    if problem:
+        if os.environ.get("GPUPOOL_REQUIRE_KUBE") == "1":
+            pytest.fail(problem)
+        pytest.skip(problem)
+    with kc.running_cluster() as running:
+        for node in kc.fake_nodes(load_policy(EXAMPLES_DIR)):
+            running.add_node(node["name"], node["labels"], node["allocatable"], node["taints"])
+        # Where the time-slicing ConfigMap goes: the NVIDIA GPU operator's namespace, there before gpupool.
+        for namespace in (NAMESPACE, "gpu-operator"):
+            running.kubectl("create", "namespace", namespace)
+        yield running
+
+
+def gpupool(*args: str, cwd: Path) -> str:
+    """The `gpupool` command as an administrator runs it (another folder, the installed entry point)."""
+    done = subprocess.run([str(Path(sys.executable).with_name("gpupool")), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def stored(cluster, obj: dict) -> dict:
+    """The object as the API server now holds it."""
+    group_version = obj["apiVersion"]
+    prefix = "/api/v1" if group_version == "v1" else f"/apis/{group_version}"
+    plural = {"Queue": "queues", "PriorityClass": "priorityclasses", "ConfigMap": "configmaps", "Job": "jobs",
+              "Pod": "pods"}[obj["kind"]]
+    namespace = obj["metadata"].get("namespace")
+    where = f"/namespaces/{namespace}" if namespace else ""
+    return cluster.get(f"{prefix}{where}/{plural}/{obj['metadata']['name']}")
+
+
+def lost(sent, kept, path: str = "") -> list[str]:
+    """What of `sent` the API server did not keep as sent (a structural schema prunes unknown fields; defaults
+    it adds are fine): the paths of missing or changed values."""
+    if isinstance(sent, dict) and isinstance(kept, dict):
+        return [p for key, value in sent.items() for p in lost(value, kept.get(key), f"{path}.{key}")]
+    if isinstance(sent, list) and isinstance(kept, list) and len(sent) == len(kept):
+        return [p for i, (a, b) in enumerate(zip(sent, kept)) for p in lost(a, b, f"{path}[{i}]")]
+    return [] if sent == kept else [f"{path}: sent {sent!r}, kept {kept!r}"]
+
+
+# --- the engine ------------------------------------------------------------------------------------------------
+
+
+def test_the_engine_is_the_pinned_release_with_volcanos_crds_and_fake_gpu_nodes(cluster):
+    versions = dict(line.split("=", 1) for line in (ROOT / "kube" / "versions.env").read_text().splitlines()
+                    if line and not line.startswith("#"))
+    assert cluster.get("/version")["gitVersion"] == versions["KUBERNETES_VERSION"]
+    crds = {c["metadata"]["name"]: c for c in cluster.get(
+        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions")["items"]}
+    for name in ("queues.scheduling.volcano.sh", "podgroups.scheduling.volcano.sh", "jobs.batch.volcano.sh"):
+        assert {"type": "Established", "status": "True"}.items() <= {
+            k: v for c in crds[name]["status"]["conditions"] if c["type"] == "Established" for k, v in c.items()}.items()
+    nodes = {n["metadata"]["name"]: n for n in cluster.get("/api/v1/nodes")["items"]}
+    h200 = [n for n in nodes.values() if n["metadata"]["labels"].get("nvidia.com/gpu.product") == "NVIDIA-H200"]
+    assert len(h200) == 2
+    for node in h200:
+        assert node["status"]["allocatable"]["nvidia.com/gpumem-percentage"] == "800"
+        assert node["status"]["allocatable"]["nvidia.com/mig-1g.18gb"] == "56"
+        ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}
+        assert ready["Ready"] == "True"  # KWOK's node stage, no kubelet
+
+
+# --- what gpupool renders, applied for real ----------------------------------------------------------------------
+
+
+@POLICY_SETS
+def test_render_applies_server_side_and_a_second_apply_changes_nothing(cluster, policies, tmp_path):
+    manifest = gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path)
+    objects = [o for o in yaml.safe_load_all(manifest) if o]
+    first = cluster.kubectl("apply", "--server-side", "--field-manager", "gpupool", "-f", "-", input=manifest)
+    assert "serverside-applied" in first.stdout
+    versions = {(o["kind"], o["metadata"]["name"]): stored(cluster, o)["metadata"]["resourceVersion"]
+                for o in objects}
+    again = cluster.kubectl("apply", "--server-side", "--field-manager", "gpupool", "-f", "-", input=manifest)
+    assert again.returncode == 0
+    assert {(o["kind"], o["metadata"]["name"]): stored(cluster, o)["metadata"]["resourceVersion"]
+            for o in objects} == versions  # nothing was written the second time
+    queues = [o for o in objects if o["kind"] == "Queue"]
+    assert queues
+    for queue in queues:  # Volcano's CRD keeps all that gpupool wrote: no field pruned
+        assert lost(queue, stored(cluster, queue)) == []
+    diff = cluster.kubectl("diff", "--server-side", "--field-manager", "gpupool", "-f", "-", input=manifest,
+                           check=False)
+    assert diff.returncode == 0 and diff.stdout == ""
+    cluster.kubectl("delete", "--wait", "-f", "-", input=manifest)
+
+
+def test_a_changed_team_priority_needs_its_priority_class_replaced(cluster, tmp_path):
+    """A PriorityClass's value cannot change (the API server refuses the update): after a team's priority
+    changes, `kubectl apply` of the new render names the class, and `kubectl replace --force` (what
+    docs/kubernetes.md tells an administrator to run) recreates it; running pods keep their old priority."""
+    policies = tmp_path / "policies"
+    shutil.copytree(EXAMPLES_DIR, policies)
+    before = gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path)
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=before)
+    teams = policies / "teams.yaml"
+    teams.write_text(teams.read_text().replace("priority: 100", "priority: 150", 1))
+    after = gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path)
+    changed = [o for o in yaml.safe_load_all(after) if o and o["kind"] == "PriorityClass"
+               and stored(cluster, o)["value"] != o["value"]]
+    assert len(changed) == 1
+    refused = cluster.kubectl("apply", "--server-side", "-f", "-", input=after, check=False)
+    assert refused.returncode != 0 and "may not be changed in an update" in refused.stderr
+    assert changed[0]["metadata"]["name"] in refused.stderr
+    cluster.kubectl("replace", "--force", "-f", "-", input=yaml.safe_dump(changed[0]))
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=after)
+    assert stored(cluster, changed[0])["value"] == changed[0]["value"]
+    cluster.kubectl("delete", "--wait", "-f", "-", input=after)
+
+
+def test_the_api_server_refuses_a_queue_volcanos_crd_refuses(cluster):
+    broken = {"apiVersion": "scheduling.volcano.sh/v1beta1", "kind": "Queue", "metadata": {"name": "broken"},
+              "spec": {"weight": "heavy"}}
+    done = cluster.kubectl("apply", "--server-side", "-f", "-", input=json.dumps(broken), check=False)
+    assert done.returncode != 0 and "spec.weight" in done.stderr
+    assert cluster.api().get(f"{cluster.url}/apis/scheduling.volcano.sh/v1beta1/queues/broken").status_code == 404
+
+
+def test_the_charts_manifests_pass_a_server_side_dry_run(cluster, tmp_path):
+    values = helm_tests.merge(helm_tests.values_for(EXAMPLES_DIR), {
+        "mlflow": {"enabled": True, "artifacts": {"destination": "s3://mlflow/", "existingSecret": "s3-keys",
+                                                 "s3EndpointUrl": "http://seaweedfs:8333"}},
+        "ingress": {"enabled": True, "className": "nginx", "hosts": ["gpu.example.org"]}})
+    objects = helm_tests.render(values)
+    cluster.kubectl("create", "namespace", helm_tests.NAMESPACE)
+    documents = "\n---\n".join(yaml.safe_dump(o) for o in objects)
+    done = cluster.kubectl("apply", "--dry-run=server", "--server-side", "-f", "-", input=documents, check=False)
+    assert done.returncode == 0, done.stderr
+    assert len([line for line in done.stdout.splitlines() if "(server dry run)" in line]) == len(objects)
+
+
+@POLICY_SETS
+def test_every_profiles_volcano_job_is_stored_by_volcanos_crd_without_a_field_lost(cluster, policies):
+    policy = load_policy(policies)
+    session = cluster.api()
+    url = f"{cluster.url}/apis/batch.volcano.sh/v1alpha1/namespaces/{NAMESPACE}/jobs"
+    checked = 0
+    for slug, profile in policy.profiles.items():
+        for team in profile.teams:
+            spec = JobSpec(job_id=f"j{checked:04d}", user="alice", team=team, profile=slug,
+                           command=("python", "train.py"), env={"SEED": "1"}, workdir="/home/jovyan",
+                           max_restarts=2, checkpoint_claim="gpupool-checkpoints")
+            job = volcano_job(spec, policy, Release(), NAMESPACE, default_image="quay.io/jupyterhub/singleuser:5.3")
+            created = session.post(url, json=job, timeout=10)
+            assert created.status_code == 201, created.text
+            kept = created.json()
+            # Volcano's structural schema prunes what it does not know: nothing of gpupool's may go.
+            assert lost(job, kept) == [], slug
+            assert session.delete(f"{url}/{job['metadata']['name']}", timeout=10).ok
+            checked += 1
+    assert checked >= 3
+
+
+# --- GPUKubeSpawner against the real API server and scheduler ---------------------------------------------------
+
+
+@pytest.fixture
+def kubeconfig(cluster, monkeypatch):
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(cluster.kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    return cluster.kubeconfig
+
+
+@pytest_asyncio.fixture
+async def reflectors():
+    await KubeSpawner._stop_all_reflectors()
+    yield
+    await KubeSpawner._stop_all_reflectors()
+
+
+@pytest.fixture
+def ledger(tmp_path, monkeypatch):
+    url = f"sqlite:///{tmp_path / 'ledger.sqlite'}"
+    monkeypatch.setenv("GPUPOOL_LEDGER_URL", url)
+    return get_ledger(url)
+
+
+def real_spawner_config(policy_dir: Path, cluster) -> object:
+    c = kube.spawner_config(policy_dir, cluster.url, start_timeout=60)
+    c.GPUKubeSpawner.namespace = NAMESPACE
+    c.GPUKubeSpawner.queue_poll_interval = 0.2
+    c.GPUKubeSpawner.k8s_api_request_retry_timeout = 30
+    return c
+
+
+@pytest.mark.asyncio
+async def test_a_notebook_pod_runs_on_a_node_of_its_model_is_readopted_and_deleted(
+        cluster, kubeconfig, reflectors, ledger, tmp_path, monkeypatch):
+    policies = kube.policy_copy(tmp_path, queue_timeout=60)
+    cluster.kubectl("apply", "--server-side", "-f", "-",
+                    input=gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path))
+    hub = kube.HubDB(real_spawner_config(policies, cluster))
+    spawner = hub.spawner("alice", ("vision",))
+    await spawner._run_apply_user_options({"profile": "h200-quarter"})
+    url = await asyncio.wait_for(spawner.start(), 120)
+
+    pod = cluster.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{spawner.pod_name}")
+    node = cluster.get(f"/api/v1/nodes/{pod['spec']['nodeName']}")
+    assert pod["spec"]["schedulerName"] == kc.VOLCANO_STANDIN  # bound by the stand-in for Volcano's scheduler
+    assert node["metadata"]["labels"]["nvidia.com/gpu.product"] == "NVIDIA-H200"
+    assert pod["status"]["phase"] == "Running" and url == f"http://{pod['status']['podIP']}:8888"
+    # The Priority admission plugin turned the class into the number `gpupool render` gave it.
+    priority_class = cluster.get(f"/apis/scheduling.k8s.io/v1/priorityclasses/{pod['spec']['priorityClassName']}")
+    assert pod["spec"]["priority"] == priority_class["value"]
+    assert pod["metadata"]["annotations"]["scheduling.volcano.sh/queue-name"] == "vision"
+    (running,) = ledger.open_intervals()
+    assert (running.user, running.team, running.profile, running.model, running.share, running.state) == (
+        "alice", "vision", "h200-quarter", "H200", Fraction(1, 4), State.RUNNING)
+
+    # A new hub process: no reflectors, the spawner built from the database, the pod found again.
+    spawner._spawn_pending = spawner._start_pending = False
+    hub.save_state(spawner)
+    await KubeSpawner._stop_all_reflectors()
+    again = hub.spawner("alice")
+    assert await again.poll() is None
+    assert again.pod_name == spawner.pod_name and again.usage_run == spawner.usage_run
+
+    await asyncio.wait_for(again.stop(), 120)
+    gone = cluster.api().get(f"{cluster.url}/api/v1/namespaces/{NAMESPACE}/pods/{spawner.pod_name}", timeout=10)
+    assert gone.status_code == 404  # KWOK's delete stage finished what the kubelet would
+    assert await again.poll() == 1
+    assert ledger.interval(running.key).how == HowEnded.STOPPED and ledger.open_intervals() == []
+
+
+@pytest.mark.asyncio
+async def test_each_backends_pod_is_admitted_by_the_api_server_and_bound_to_a_node_that_offers_it(
+        cluster, kubeconfig, reflectors, ledger, tmp_path):
+    policies = kube.policy_copy(tmp_path, queue_timeout=60)
+    cluster.kubectl("apply", "--server-side", "-f", "-",
+                    input=gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path))
+    hub = kube.HubDB(real_spawner_config(policies, cluster))
+    landed = {}
+    for (user, team, slug, image), expected in kube.MANIFESTS.items():
+        spawner = hub.spawner(user, kube.GROUPS[user])
+        await spawner._run_apply_user_options({"profile": slug, **({"image": image} if image else {})})
+        await asyncio.wait_for(spawner.start(), 120)
+        pod = cluster.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{spawner.pod_name}")
+        node = cluster.get(f"/api/v1/nodes/{pod['spec']['nodeName']}")
+        for name, amount in (expected["requests"] or {}).items():
+            assert name in node["status"]["allocatable"], (slug, name)
+        for label, value in (expected["nodeSelector"] or {}).items():
+            assert node["metadata"]["labels"][label] == value
+        landed[slug] = node["metadata"]["name"]
+        spawner._spawn_pending = spawner._start_pending = False
+        await asyncio.wait_for(spawner.stop(), 120)
+    # no NVIDIA toleration: never on a tainted NVIDIA node (untainted nodes, the CPU one or the Hygon ones, may)
+    assert not landed["cpu"].startswith(("gpu-h200", "gpu-a100", "gpu-rtx4090"))
+    assert landed["h200-mig-1g"].startswith("gpu-h200")
+    assert "mig-3g-40gb" in landed["a100-mig-3g"]  # MIG's single strategy: the node labelled by slice
+    assert periods.utcnow() and ledger.open_intervals() == []
