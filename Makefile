@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.gpupool-installed
 PYTEST_ARGS ?=
 
-.PHONY: up test test-unit test-e2e install system-packages server-env clean cli
+.PHONY: up test test-unit test-e2e install system-packages server-env clean cli kube-tools
 
 $(STAMP): setup.cfg pyproject.toml images/base/overrides.json
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -102,7 +102,15 @@ system-packages:
 	  else echo "missing system packages:$$missing (install them, e.g. apt-get install$$missing)"; fi; \
 	fi
 
-test: install
+# The real Kubernetes control plane the Kubernetes mode's tests run against (tests/test_kube_cluster.py): etcd,
+# kube-apiserver, kube-controller-manager, kube-scheduler, kubectl and KWOK, built from the Go module proxy at the
+# versions of kube/versions.env into ~/.cache/gpupool/kube (GPUPOOL_KUBE_CACHE), outside the repository. Cold:
+# about 5 minutes on two cores; warm: nothing to do.
+kube-tools:
+	@command -v go >/dev/null || { echo "kube-tools: no Go toolchain (go on PATH): the tests against the real control plane will skip"; exit 0; }; \
+	bash kube/build-tools.sh
+
+test: install kube-tools
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The two halves of `make test` (tests/conftest.py marks them): unit tests (in-process, a few minutes) and
@@ -110,7 +118,7 @@ test: install
 test-unit: install
 	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
 
-test-e2e: install
+test-e2e: install kube-tools
 	$(BIN)/python -m pytest -m e2e $(PYTEST_ARGS)
 
 # UP_ARGS go to `gpupool up`, e.g. make up UP_ARGS="--port 9000 --policies policies/examples"

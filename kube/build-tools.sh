@@ -20,6 +20,8 @@ if complete; then echo "kube-tools: up to date in $dest/bin"; exit 0; fi
 command -v go >/dev/null || { echo "kube-tools: the Go toolchain is needed (go on PATH)"; exit 1; }
 
 export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
+# The compiler's cache is needed only while the set builds (about 4 GB): kept beside it, removed once complete.
+export GOCACHE="$cache/go-build"
 work="$dest/src"
 mkdir -p "$dest/bin" "$work"
 start=$SECONDS
@@ -81,4 +83,5 @@ fi
 kwokdir="$(cd "$work/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)"
 rm -rf "$dest/kwok-stages" && mkdir -p "$dest/kwok-stages" && cp -r "$kwokdir/kustomize/stage/." "$dest/kwok-stages/" && chmod -R u+w "$dest/kwok-stages"
 complete
-step "done: $(du -sh "$dest/bin" | cut -f1) of binaries in $dest/bin"
+rm -rf "$GOCACHE"
+step "done: $(du -sh "$dest/bin" | cut -f1) of binaries in $dest/bin (Go modules: $(du -sh "$(go env GOMODCACHE)" | cut -f1) in $(go env GOMODCACHE))"

@@ -152,8 +152,8 @@ def test_render_applies_server_side_and_a_second_apply_changes_nothing(cluster, 
 
 def test_a_changed_team_priority_needs_its_priority_class_replaced(cluster, tmp_path):
     """A PriorityClass's value cannot change (the API server refuses the update): after a team's priority
-    changes, `kubectl apply` of the new render names the class, and `kubectl replace --force` (what
-    docs/kubernetes.md tells an administrator to run) recreates it; running pods keep their old priority."""
+    changes, `kubectl apply` of the new render names the class; deleting it and applying again (what
+    docs/kubernetes.md tells an administrator to do) recreates it."""
     policies = tmp_path / "policies"
     shutil.copytree(EXAMPLES_DIR, policies)
     before = gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path)
@@ -167,7 +167,7 @@ def test_a_changed_team_priority_needs_its_priority_class_replaced(cluster, tmp_
     refused = cluster.kubectl("apply", "--server-side", "-f", "-", input=after, check=False)
     assert refused.returncode != 0 and "may not be changed in an update" in refused.stderr
     assert changed[0]["metadata"]["name"] in refused.stderr
-    cluster.kubectl("replace", "--force", "-f", "-", input=yaml.safe_dump(changed[0]))
+    cluster.kubectl("delete", "priorityclass", changed[0]["metadata"]["name"])
     cluster.kubectl("apply", "--server-side", "-f", "-", input=after)
     assert stored(cluster, changed[0])["value"] == changed[0]["value"]
     cluster.kubectl("delete", "--wait", "-f", "-", input=after)

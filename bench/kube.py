@@ -1,0 +1,156 @@
+"""The Kubernetes mode on the real control plane (tests/kube_cluster.py: etcd, kube-apiserver,
+kube-controller-manager, kube-scheduler, KWOK's fake GPU nodes; built by `make kube-tools`).
+
+1. Seconds from a spawn's start to a Running pod, for notebook spawns of 0.25 × H200: GPUKubeSpawner
+   (admission through the ledger's door, the pod bound by the scheduler profile named `volcano`, which
+   stands in for Volcano's scheduler: Volcano's modules are not served here) against KubeSpawner with the same
+   pod and no scheduler name (the default kube-scheduler), interleaved, in one run. Ratio gpupool / plain.
+2. Pods bound per second by the scheduler for a burst of fractional pods (HAMi quarters) on fake nodes.
+
+    .venv/bin/python bench/kube.py [--spawns 10] [--burst 200] [--nodes 100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent.parent / "tests"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", TESTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+kc = _load("kube_cluster")
+kube = _load("test_kube_spawner")  # JupyterHub's real user objects around a spawner
+NAMESPACE = "bench"
+
+
+async def time_start(spawner) -> float:
+    began = time.perf_counter()
+    await asyncio.wait_for(spawner.start(), 300)
+    elapsed = time.perf_counter() - began
+    spawner._spawn_pending = spawner._start_pending = False
+    await asyncio.wait_for(spawner.stop(), 300)
+    return elapsed
+
+
+async def spawns(cluster, policies: Path, count: int) -> dict[str, list[float]]:
+    from kubespawner import KubeSpawner
+    from kubernetes_asyncio.config import kube_config
+
+    kube_config.KUBE_CONFIG_DEFAULT_LOCATION = str(cluster.kubeconfig)
+    config = kube.spawner_config(policies, cluster.url, start_timeout=120)
+    config.GPUKubeSpawner.namespace = config.KubeSpawner.namespace = NAMESPACE
+    config.GPUKubeSpawner.queue_poll_interval = 0.2
+    config.KubeSpawner.cmd = ["jupyterhub-singleuser"]
+    gpupool = kube.HubDB(config)
+    plain = kube.HubDB(config)
+    plain.settings["spawner_class"] = KubeSpawner
+    times: dict[str, list[float]] = {"GPUKubeSpawner": [], "KubeSpawner": []}
+
+    async def one_pair(i: int, record: bool) -> None:
+        spawner = gpupool.spawner(f"g{i}", ("vision",))
+        await spawner._run_apply_user_options({"profile": "h200-quarter"})
+        plain_spawner = plain.spawner(f"p{i}")
+        # The same pod as gpupool's, scheduled by the default scheduler (no schedulerName).
+        plain_spawner.extra_resource_limits = plain_spawner.extra_resource_guarantees = {
+            "nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "25", "nvidia.com/gpucores": "25"}
+        plain_spawner.tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        plain_spawner.node_selector = {"nvidia.com/gpu.product": "NVIDIA-H200"}
+        first, second = (spawner, plain_spawner) if i % 2 else (plain_spawner, spawner)
+        for s in (first, second):
+            elapsed = await time_start(s)
+            if record:
+                times["GPUKubeSpawner" if s is spawner else "KubeSpawner"].append(elapsed)
+
+    await one_pair(0, record=False)  # warm-up: reflectors, imports, the ledger's tables
+    for i in range(1, count + 1):
+        await one_pair(i, record=True)
+    await KubeSpawner._stop_all_reflectors()
+    return times
+
+
+def burst(cluster, pods: int) -> tuple[float, int]:
+    """Create `pods` HAMi quarter pods at once; seconds until every one is bound to a node, and how many were."""
+    session = cluster.api()
+    url = f"{cluster.url}/api/v1/namespaces/{NAMESPACE}/pods"
+
+    def pod(i: int) -> dict:
+        gpu = {"nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "25", "nvidia.com/gpucores": "25"}
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"burst-{i}", "labels": {"bench": "burst"}},
+                "spec": {"schedulerName": kc.VOLCANO_STANDIN, "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
+                         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                         "containers": [{"name": "notebook", "image": "quay.io/jupyterhub/singleuser:5.3",
+                                         "resources": {"limits": gpu, "requests": gpu}}]}}
+
+    began = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        for reply in pool.map(lambda i: session.post(url, json=pod(i), timeout=30), range(pods)):
+            assert reply.status_code == 201, reply.text
+    while True:
+        items = session.get(url, params={"labelSelector": "bench=burst"}, timeout=30).json()["items"]
+        bound = sum(1 for item in items if item["spec"].get("nodeName"))
+        if bound == pods or time.perf_counter() - began > 600:
+            return time.perf_counter() - began, bound
+        time.sleep(0.1)
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--spawns", type=int, default=10)
+    parser.add_argument("--burst", type=int, default=200)
+    parser.add_argument("--nodes", type=int, default=100)
+    args = parser.parse_args()
+    problem = kc.missing_tools()
+    if problem:
+        sys.exit(problem)
+    from gpupool.policies import load_policy
+
+    with tempfile.TemporaryDirectory() as tmp, kc.running_cluster() as cluster:
+        os.environ["GPUPOOL_LEDGER_URL"] = f"sqlite:///{Path(tmp) / 'ledger.sqlite'}"
+        policies = kube.policy_copy(Path(tmp), queue_timeout=300)
+        (h200,) = [n for n in kc.fake_nodes(load_policy(policies)) if n["name"] == "gpu-h200-0"]
+        for node in kc.fake_nodes(load_policy(policies)):
+            cluster.add_node(node["name"], node["labels"], node["allocatable"], node["taints"])
+        cluster.kubectl("create", "namespace", NAMESPACE)
+        render = Path(sys.executable).with_name("gpupool")
+        manifest = subprocess.run([str(render), "render", "--policies", str(policies), "--namespace", NAMESPACE],
+                                  capture_output=True, text=True, check=True).stdout
+        cluster.kubectl("apply", "--server-side", "-f", "-", input=manifest)
+        times = asyncio.run(spawns(cluster, policies, args.spawns))
+
+        for i in range(args.nodes - 2):  # the burst's nodes: as many H200 nodes in all
+            cluster.add_node(f"burst-h200-{i}", h200["labels"], h200["allocatable"], h200["taints"])
+        seconds, bound = burst(cluster, args.burst)
+
+    print(f"{'start → Running (0.25 × H200)':<34}{'spawns':>8}{'median s':>11}{'p95 s':>9}")
+    for name, values in times.items():
+        print(f"{name:<34}{len(values):>8}{statistics.median(values):>11.3f}{p95(values):>9.3f}")
+    ratio = statistics.median(times["GPUKubeSpawner"]) / statistics.median(times["KubeSpawner"])
+    print(f"ratio GPUKubeSpawner / KubeSpawner: median {ratio:.3f}, "
+          f"p95 {p95(times['GPUKubeSpawner']) / p95(times['KubeSpawner']):.3f}")
+    print(f"burst: {bound} of {args.burst} fractional pods bound on {args.nodes} nodes in {seconds:.2f} s: "
+          f"{bound / seconds:.1f} pods/s (kube-scheduler's `volcano` stand-in profile)")
+
+
+if __name__ == "__main__":
+    main()
