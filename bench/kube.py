@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path.insert(0, str(TESTS))  # the test helpers import each other by module name, as under pytest
 
 
 def _load(name: str):
@@ -131,7 +132,8 @@ def main() -> None:
         (h200,) = [n for n in kc.fake_nodes(load_policy(policies)) if n["name"] == "gpu-h200-0"]
         for node in kc.fake_nodes(load_policy(policies)):
             cluster.add_node(node["name"], node["labels"], node["allocatable"], node["taints"])
-        cluster.kubectl("create", "namespace", NAMESPACE)
+        for namespace in (NAMESPACE, "gpu-operator"):  # the second: where the time-slicing ConfigMap goes
+            cluster.kubectl("create", "namespace", namespace)
         render = Path(sys.executable).with_name("gpupool")
         manifest = subprocess.run([str(render), "render", "--policies", str(policies), "--namespace", NAMESPACE],
                                   capture_output=True, text=True, check=True).stdout
