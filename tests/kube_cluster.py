@@ -307,20 +307,22 @@ class KubeCluster:
 
 
 @contextlib.contextmanager
-def running_cluster(base: Path | None = None) -> Iterator[KubeCluster]:
-    """Start a cluster in `base` (a new temporary folder by default), stop it at the end; the folder and its
-    logs are removed only when the block ended without an exception."""
+def running_cluster(base: Path | None = None, keep=lambda: False) -> Iterator[KubeCluster]:
+    """Start a cluster in `base` (a new temporary folder by default), stop it at the end. The folder, with every
+    component's log, is kept and named when the block raised or `keep()` says so at the end (a test failed)."""
     folder = base or Path(tempfile.mkdtemp(prefix="gpupool-kube-"))
     cluster = KubeCluster(folder)
     failed = True
     try:
         cluster.start()
         yield cluster
-        failed = False
+        failed = keep()
     except BaseException:
         print(f"\nKubernetes control plane logs kept in {folder}\n{cluster.logs()}")
         raise
     finally:
         cluster.stop()
-        if not failed and base is None:
+        if failed:
+            print(f"\nKubernetes control plane logs kept in {folder}")
+        elif base is None:
             shutil.rmtree(folder, ignore_errors=True)

@@ -59,13 +59,14 @@ NAMESPACE = "gpupool-users"
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(request):
     problem = kc.missing_tools()
     if problem:
         if os.environ.get("GPUPOOL_REQUIRE_KUBE") == "1":
             pytest.fail(problem)
         pytest.skip(problem)
-    with kc.running_cluster() as running:
+    failures = request.session.testsfailed
+    with kc.running_cluster(keep=lambda: request.session.testsfailed > failures) as running:
         for node in kc.fake_nodes(load_policy(EXAMPLES_DIR)):
             running.add_node(node["name"], node["labels"], node["allocatable"], node["taints"])
         # Where the time-slicing ConfigMap goes: the NVIDIA GPU operator's namespace, there before gpupool.
