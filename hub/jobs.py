@@ -1,4 +1,4 @@
-"""`gpupool jobs`: submit, list, show, follow and cancel training jobs through the jobs service's REST API.
+"""`gpupool jobs`: submit, list, show, follow, suspend, resume and cancel training jobs through the jobs service's REST API.
 
 Run in a server's terminal or a notebook (`!gpupool jobs …`), it needs nothing: the server's own hub token
 (`$JUPYTERHUB_API_TOKEN`) and the hub's address (`$GPUPOOL_HUB_URL`) are in its environment. Elsewhere, give
@@ -156,8 +156,9 @@ def logs(args: argparse.Namespace) -> int:
         time.sleep(FOLLOW_S)
 
 
-def cancel(args: argparse.Namespace) -> int:
-    job = client(args).call("POST", f"api/jobs/{args.job}/cancel").json()
+def act(args: argparse.Namespace) -> int:
+    """cancel, suspend or resume (`args.action`): the service answers with the job as it now stands."""
+    job = client(args).call("POST", f"api/jobs/{args.job}/{args.action}").json()
     print(f"job {job['id']}: {job['state']}: {job['reason']}")
     return 0
 
@@ -210,8 +211,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     sub.set_defaults(jobs_func=logs)
 
-    sub = commands.add_parser("cancel", help="cancel a job (a running one gets SIGTERM, then SIGKILL)")
-    common(sub)
-    sub.add_argument("job")
-    sub.set_defaults(jobs_func=cancel)
+    for action, words in (
+            ("cancel", "cancel a job (a running one gets SIGTERM, then SIGKILL)"),
+            ("suspend", "hold a job: a running one is stopped (SIGTERM, then SIGKILL) and waits; never a restart"),
+            ("resume", "put a suspended job back in the queue at its place; it resumes from its last checkpoint")):
+        sub = commands.add_parser(action, help=words)
+        common(sub)
+        sub.add_argument("job")
+        sub.set_defaults(jobs_func=act, action=action)
     parser.set_defaults(func=main)

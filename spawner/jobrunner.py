@@ -264,6 +264,8 @@ class JobRunner:
             job = live.get(job_id)
             if active.stopping is None and (job is None or job.cancel_requested):
                 self.stop_run(active, Event.CANCELLED, policy)
+            elif active.stopping is None and job.suspend_requested:
+                self.stop_run(active, Event.SUSPENDED, policy)
             await self._follow(active, policy)
         await self._reasons()
         await self._preempt(policy)

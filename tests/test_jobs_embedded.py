@@ -236,6 +236,40 @@ def test_a_notebook_preempts_a_low_priority_job_which_saves_requeues_and_resumes
     assert runs[0].end_at <= server.start_at and server.end_at <= runs[1].start_at
 
 
+def test_a_suspended_job_saves_waits_and_resumes_where_it_stopped_without_a_restart_counted(hub, tmp_path):
+    steps = 30
+    whole = uninterrupted(tmp_path / "whole", steps, 100)
+    hub.add_user("alice", "vision")
+    alice = Jobs(hub, "alice")
+    out = tmp_path / "job"
+    job = alice.submit(profile="h200", command=[sys.executable, str(HERE / "train_loop.py"), str(out),
+                                                "--steps", str(steps), "--every", "100", "--pause-at", "7"])
+    wait_for(out / "paused", alice, job["id"])  # running, at step 7, with no checkpoint yet
+    # Suspended from a terminal, as a person does: the run is stopped (SIGTERM: it saves) and the job waits.
+    suspended = alice.cli("suspend", job["id"], cwd=tmp_path)
+    assert suspended.returncode == 0 and "suspending" in suspended.stdout, suspended.stdout + suspended.stderr
+    held = alice.wait(job["id"], lambda j: j["state"] == "suspended", what="suspended")
+    assert [(r["event"], r["counted"]) for r in held["runs"]] == [("suspended", False)] and held["restarts"] == 0
+    assert "asked to stop: saved step 7" in alice.call("GET", f"api/jobs/{job['id']}/log").text
+    time.sleep(2)  # the runner has had its rounds: a suspended job is not started again, the card stays free
+    assert alice.get(job["id"])["state"] == "suspended"
+    again = alice.call("POST", f"api/jobs/{job['id']}/suspend")
+    assert again.status_code == 409 and "only a queued, restarting or running job" in again.json()["message"]
+    page = alice.call("GET", f"jobs/{job['id']}")
+    assert page.status_code == 200 and 'id="resume"' in page.text and 'id="suspend"' not in page.text
+
+    resumed = alice.cli("resume", job["id"], cwd=tmp_path)
+    assert resumed.returncode == 0 and "queued" in resumed.stdout, resumed.stdout + resumed.stderr
+    done = alice.wait(job["id"], lambda j: j["state"] in ENDED, what="to its end")
+    assert done["state"] == "succeeded" and done["restarts"] == 0, done
+    assert [r["event"] for r in done["runs"]] == ["suspended", "succeeded"]
+    assert steps_of(out) == list(range(1, steps + 1))  # saved at the step it was stopped: nothing redone
+    final = torch.load(out / "final.pt")
+    assert all(torch.equal(whole[name], final[name]) for name in whole)
+    assert [(i.how, i.state) for i in job_intervals(hub, job["id"])] == [("stopped", "running"), ("stopped", "running")]
+    assert alice.call("POST", f"api/jobs/{job['id']}/resume").status_code == 409
+
+
 def test_failures_cancels_a_hub_restart_and_other_teams(hub, tmp_path):
     hub.add_user("alice", "vision")
     hub.add_user("bob", "other")

@@ -191,6 +191,8 @@ class Job(Base):
     exit_code: Mapped[int | None] = mapped_column(sa.Integer)
     #: Its user asked to cancel it while it ran: the runner stops it (SIGTERM, grace, SIGKILL).
     cancel_requested: Mapped[bool] = mapped_column(sa.Boolean, default=False)
+    #: Its user asked to suspend it while it ran: the runner stops it, and it waits suspended until resumed.
+    suspend_requested: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
     submitted_at: Mapped[datetime] = mapped_column(UTCSeconds)
     #: Its place in the queue among jobs of its priority: when it was submitted, kept when it was
     #: preempted (it goes back to the head), now when it restarts after a failure.

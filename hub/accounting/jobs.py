@@ -196,6 +196,7 @@ class Job:
     runs: int
     exit_code: int | None
     cancel_requested: bool
+    suspend_requested: bool
     submitted_at: datetime
     queued_at: datetime
     not_before: datetime | None
@@ -252,7 +253,7 @@ class JobStore:
             "command": json.dumps(submission.command), "env": json.dumps(submission.env, sort_keys=True),
             "workdir": submission.workdir, "checkpoint_dir": submission.checkpoint_dir or checkpoint_dir,
             "max_restarts": resolved.max_restarts, "state": "queued", "reason": "in queue", "restarts": 0,
-            "runs": 0, "exit_code": None, "cancel_requested": False, "submitted_at": at, "queued_at": at,
+            "runs": 0, "exit_code": None, "cancel_requested": False, "suspend_requested": False, "submitted_at": at, "queued_at": at,
             "not_before": None, "ended_at": None,
         }
         try:
@@ -357,6 +358,8 @@ class JobStore:
                 return None
             if job.cancel_requested and ended.event is not Event.SUCCEEDED:
                 ended = Ended(Event.CANCELLED, ended.exit_code)  # whatever the stop looked like to the runner
+            elif job.suspend_requested and ended.event not in (Event.SUCCEEDED, Event.CANCELLED):
+                ended = Ended(Event.SUSPENDED, ended.exit_code)  # stopped for its user's suspend: never a failure
             following = after_run(ended, counted=job.restarts, max_restarts=job.max_restarts,
                                   rules=policy.jobs.restarts)
             end = max(at, run.started_at)
@@ -364,7 +367,7 @@ class JobStore:
                 ended_at=end, event=ended.event.value, exit_code=ended.exit_code, counted=following.counts,
                 reason=following.reason))
             state = STATE_AFTER[following.action]
-            values: dict[str, Any] = {"state": state, "reason": following.reason,
+            values: dict[str, Any] = {"state": state, "reason": following.reason, "suspend_requested": False,
                                       "restarts": job.restarts + following.counts, "exit_code": ended.exit_code}
             if state in db.JOB_ENDED:
                 values["ended_at"] = end
@@ -410,11 +413,29 @@ class JobStore:
                                                    JOBS.c.reason != reason[:500])
                                .values(reason=reason[:500]))
 
+    def suspend(self, job_id: str, at: datetime) -> Job | None:
+        """Suspend: a job that waits is held at once (it keeps its place for when it is resumed); a running
+        one is marked, and its runner stops it (SIGTERM, grace, SIGKILL) and holds it. A suspend never counts
+        against the job's restarts. Any other job stays as it is."""
+        with self._writer.begin() as connection:
+            connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state.in_(("queued", "restarting")),
+                                                   JOBS.c.cancel_requested.is_(False))
+                               .values(state="suspended", not_before=None,
+                                       reason="suspended by its user: resumes from its last checkpoint when resumed"))
+            connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state == "running",
+                                                   JOBS.c.cancel_requested.is_(False))
+                               .values(suspend_requested=True, reason="suspending: stopping its run"))
+        return self.get(job_id)
+
     def resume(self, job_id: str, at: datetime) -> Job | None:
-        """A suspended job goes back to the queue, at its place."""
+        """A suspended job goes back to the queue, at its place; a running one whose suspend was asked for
+        and not yet done keeps running."""
         with self._writer.begin() as connection:
             connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state == "suspended")
                                .values(state="queued", reason="in queue (resumed)"))
+            connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state == "running",
+                                                   JOBS.c.suspend_requested.is_(True))
+                               .values(suspend_requested=False, reason="running"))
         return self.get(job_id)
 
 

@@ -97,6 +97,17 @@ class JobsHandler(AccountingHandler):
             raise web.HTTPError(409, f"job {job.id} has already ended ({job.state}): nothing to cancel")
         return self.store.cancel(job.id, periods.utcnow())
 
+    def suspend(self, job: Job) -> Job:
+        if job.state not in ("queued", "restarting", "running") or job.cancel_requested:
+            raise web.HTTPError(409, f"job {job.id} is {job.state}: only a queued, restarting or running job can be "
+                                     "suspended")
+        return self.store.suspend(job.id, periods.utcnow())
+
+    def resume(self, job: Job) -> Job:
+        if job.state != "suspended" and not job.suspend_requested:
+            raise web.HTTPError(409, f"job {job.id} is {job.state}, not suspended: nothing to resume")
+        return self.store.resume(job.id, periods.utcnow())
+
 
 class ListHandler(JobsHandler):
     @web.authenticated
@@ -140,10 +151,12 @@ class JobHandler(JobsHandler):
         self.write_json(self.detail(self.cancel(self.job_or_404(job_id)), tail=False))
 
 
-class CancelHandler(JobsHandler):
+class ActionHandler(JobsHandler):
+    """POST …/cancel, …/suspend, …/resume: JSON for the REST API, back to the job's page for its buttons."""
+
     @web.authenticated
-    def post(self, job_id: str):
-        job = self.cancel(self.job_or_404(job_id))
+    def post(self, job_id: str, action: str):
+        job = getattr(self, action)(self.job_or_404(job_id))
         if self.request.path.startswith(self.settings["prefix"] + "api/"):
             self.write_json(self.detail(job, tail=False))
         else:  # the page's button
@@ -243,6 +256,13 @@ OPENAPI = {
         "/api/jobs/{job}/cancel": {"parameters": [JOB_ID_PARAMETER], "post": {
             "summary": "Cancel: a waiting job never starts; a running one gets SIGTERM, then SIGKILL after the "
                        "policy's grace period", "responses": {"409": {"description": "the job has ended"}}}},
+        "/api/jobs/{job}/suspend": {"parameters": [JOB_ID_PARAMETER], "post": {
+            "summary": "Suspend: a waiting job is held (it keeps its place); a running one gets SIGTERM, then "
+                       "SIGKILL after the policy's grace period, and waits suspended. Never counted as a restart",
+            "responses": {"409": {"description": "the job is not queued, restarting or running"}}}},
+        "/api/jobs/{job}/resume": {"parameters": [JOB_ID_PARAMETER], "post": {
+            "summary": "Resume a suspended job: it goes back to the queue at its place and resumes from its last "
+                       "checkpoint", "responses": {"409": {"description": "the job is not suspended"}}}},
         "/api/jobs/{job}/log": {"parameters": [JOB_ID_PARAMETER], "get": {
             "summary": "The log from byte `offset` on (text/plain); header X-Log-Offset: where to read next; "
                        "X-Job-State: the job's state",
@@ -267,10 +287,10 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str, state_dir: str, team_
         [
             (prefix, PageHandler),
             (prefix + f"jobs/{job}", JobPageHandler),
-            (prefix + f"jobs/{job}/cancel", CancelHandler),
+            (prefix + f"jobs/{job}/(cancel|suspend|resume)", ActionHandler),
             (prefix + "api/jobs", ListHandler),
             (prefix + f"api/jobs/{job}", JobHandler),
-            (prefix + f"api/jobs/{job}/cancel", CancelHandler),
+            (prefix + f"api/jobs/{job}/(cancel|suspend|resume)", ActionHandler),
             (prefix + f"api/jobs/{job}/log", LogHandler),
             (prefix + "openapi.json", OpenAPIHandler),
             (prefix + "health", HealthHandler),

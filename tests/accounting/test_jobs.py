@@ -160,6 +160,57 @@ def test_a_running_job_cancelled_ends_as_cancelled_however_its_process_ended(sto
     assert (job.state, job.restarts, store.runs(job.id)[0].event) == ("cancelled", 0, "cancelled")
 
 
+def test_a_queued_job_suspended_keeps_its_place_and_never_starts_until_resumed(store, jobs_policy):
+    first = submit(store, jobs_policy)
+    second = submit(store, jobs_policy, at=T0 + timedelta(minutes=1))
+    held = store.suspend(first.id, T0 + timedelta(minutes=2))
+    assert (held.state, held.reason) == ("suspended", "suspended by its user: resumes from its last checkpoint "
+                                                      "when resumed")
+    assert store.start_run(first.id, T0 + timedelta(minutes=3)) is None
+    assert [j.id for j in store.waiting(T0 + timedelta(hours=1), priority_order(jobs_policy))] == [second.id]
+    assert store.suspend(first.id, T0 + timedelta(minutes=4)) == held  # again: nothing changes
+    resumed = store.resume(first.id, T0 + timedelta(minutes=5))
+    assert (resumed.state, resumed.queued_at) == ("queued", first.queued_at)  # its place, ahead of the second
+    assert [j.id for j in store.waiting(T0 + timedelta(hours=1), priority_order(jobs_policy))] == [first.id, second.id]
+    assert store.resume(first.id, T0 + timedelta(minutes=6)) == resumed
+
+
+def test_a_running_job_suspended_is_held_after_its_run_ends_and_the_suspend_never_counts(store, jobs_policy):
+    job = submit(store, jobs_policy)
+    store.start_run(job.id, T0)
+    marked = store.suspend(job.id, T0 + timedelta(minutes=1))
+    assert (marked.state, marked.suspend_requested, marked.reason) == ("running", True, "suspending: stopping its run")
+    # The runner's SIGTERM ended it with a failure-looking code: a suspend, not a failure, not a restart.
+    store.end_run(job.id, 1, Ended(Event.FAILED, -15), T0 + timedelta(minutes=2), jobs_policy)
+    held = store.get(job.id)
+    assert (held.state, held.restarts, held.suspend_requested, store.runs(job.id)[0].event) == (
+        "suspended", 0, False, "suspended")
+    assert store.runs(job.id)[0].counted is False
+    resumed = store.resume(job.id, T0 + timedelta(minutes=3))
+    assert resumed.state == "queued" and store.start_run(job.id, T0 + timedelta(minutes=4)).attempt == 2
+
+
+def test_a_suspend_taken_back_before_the_run_stopped_leaves_it_running(store, jobs_policy):
+    job = submit(store, jobs_policy)
+    store.start_run(job.id, T0)
+    store.suspend(job.id, T0 + timedelta(minutes=1))
+    kept = store.resume(job.id, T0 + timedelta(minutes=1))
+    assert (kept.state, kept.suspend_requested) == ("running", False)
+    store.end_run(job.id, 1, Ended(Event.FAILED, 1), T0 + timedelta(minutes=2), jobs_policy)
+    assert store.get(job.id).restarts == 1  # a real failure after all counts
+
+
+def test_a_cancel_wins_over_a_suspend_and_an_ended_job_is_neither(store, jobs_policy):
+    job = submit(store, jobs_policy)
+    store.start_run(job.id, T0)
+    store.suspend(job.id, T0 + timedelta(minutes=1))
+    store.cancel(job.id, T0 + timedelta(minutes=1))
+    store.end_run(job.id, 1, Ended(Event.FAILED, -15), T0 + timedelta(minutes=2), jobs_policy)
+    ended = store.get(job.id)
+    assert ended.state == "cancelled"
+    assert store.suspend(job.id, T0 + timedelta(minutes=3)) == ended == store.resume(job.id, T0 + timedelta(minutes=3))
+
+
 def test_a_running_job_is_found_again_with_its_process(store, jobs_policy):
     job = submit(store, jobs_policy)
     store.start_run(job.id, T0, holding="alice/job")
