@@ -23,6 +23,7 @@ import anyio
 import psutil
 
 from gpupool.hub.accounting import periods
+from gpupool.hub.accounting.ledger import JOB_RUN_PREFIX
 from gpupool.mlflow.cost import run_cost
 from gpupool.mlflow.permissions import (
     AUTHOR_TAG,
@@ -50,7 +51,8 @@ STATE_COOKIE = "gpupool-mlflow-oauth-state"
 TERMINAL_STATUSES = {"FINISHED", "FAILED", "KILLED"}
 #: Tags only the server writes: team ownership, alias history, run cost.
 SERVER_TAG_PREFIX = "gpupool."
-RUN_CONTEXT_TAGS = {"gpupool.user", "gpupool.team", "gpupool.profile", "gpupool.gpu_model", "gpupool.share"}
+RUN_CONTEXT_TAGS = {"gpupool.user", "gpupool.team", "gpupool.profile", "gpupool.gpu_model", "gpupool.share",
+                    "gpupool.job"}
 #: GraphQL root fields the UI uses, and the argument each is checked by.
 GRAPHQL_FIELDS = {
     "mlflowGetExperiment": ("experimentId", "experiment"),
@@ -552,6 +554,9 @@ class Gate:
         if not user or not team:
             return
         intervals = self.ledger.intervals_overlapping(start, end, user=user, team=team)
+        job = tags.get("gpupool.job")
+        if job:  # made inside a training job: that job's runs only, not a server its user had open meanwhile
+            intervals = [i for i in intervals if i.kind == "job" and i.key.startswith(f"{JOB_RUN_PREFIX}{job}@")]
         cost = run_cost(self.policy, intervals, start, end, tags.get("gpupool.profile"))
         self.stores.set_run_tags(run_id, cost.tags())
 

@@ -15,6 +15,7 @@ RUN_TAGS = {
     "GPUPOOL_PROFILE": "gpupool.profile",
     "GPUPOOL_GPU_MODEL": "gpupool.gpu_model",
     "GPUPOOL_SHARE": "gpupool.share",
+    "GPUPOOL_JOB_ID": "gpupool.job",  # set in a training job's runs: the run's cost is that job's
 }
 
 

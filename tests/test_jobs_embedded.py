@@ -15,6 +15,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 
 import psutil
@@ -268,6 +270,41 @@ def test_a_suspended_job_saves_waits_and_resumes_where_it_stopped_without_a_rest
     assert all(torch.equal(whole[name], final[name]) for name in whole)
     assert [(i.how, i.state) for i in job_intervals(hub, job["id"])] == [("stopped", "running"), ("stopped", "running")]
     assert alice.call("POST", f"api/jobs/{job['id']}/resume").status_code == 409
+
+
+def test_an_mlflow_run_made_inside_a_job_is_tagged_with_that_jobs_gpu_hours_and_cost(tmp_path):
+    hub = Hub(tmp_path, POLICY, 'c.LocalGPUSpawner.run_as = "self"', mlflow=True)
+    hub.start()
+    try:
+        hub.wait_service("jobs", "health")
+        hub.wait_service("mlflow", "health")
+        hub.add_user("alice", "vision")
+        alice = Jobs(hub, "alice")
+        out = tmp_path / "run_id"
+        # A training script as a user writes it: MLflow from the job's environment (tracking URI, token,
+        # experiment), a run of a few seconds on the job's card.
+        script = ("import time, mlflow\n"
+                  "with mlflow.start_run() as run:\n"
+                  "    mlflow.log_metric('loss', 0.5)\n"
+                  "    time.sleep(3)\n"
+                  f"open({str(out)!r}, 'w').write(run.info.run_id)\n")
+        job = alice.submit(profile="h200", command=[sys.executable, "-c", script])
+        done = alice.wait(job["id"], lambda j: j["state"] in ENDED, what="to its end")
+        assert done["state"] == "succeeded", alice.call("GET", f"api/jobs/{job['id']}/log").text
+        reply = requests.get(f"{hub.url}/services/mlflow/api/2.0/mlflow/runs/get", params={"run_id": out.read_text()},
+                             headers={"Authorization": f"token {alice.token}"}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        tags = {t["key"]: t["value"] for t in reply.json()["run"]["data"]["tags"]}
+        assert (tags["gpupool.user"], tags["gpupool.team"], tags["gpupool.profile"], tags["gpupool.job"]) == (
+            "alice", "vision", "h200", job["id"])
+        # At least the 3 s it slept on the whole card, at most the job's own run: priced at 3.20 EUR per GPU-hour.
+        seconds = Fraction(tags["gpupool.gpu_seconds"])
+        (interval,) = job_intervals(hub, job["id"])
+        assert 2 <= seconds <= (interval.end_at - interval.start_at).total_seconds()
+        assert Decimal(tags["gpupool.cost"]) > 0 and tags["gpupool.currency"] == "EUR"
+    finally:
+        hub.kill()
+        _kill_leftovers(hub)
 
 
 def test_failures_cancels_a_hub_restart_and_other_teams(hub, tmp_path):
