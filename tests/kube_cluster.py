@@ -25,6 +25,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -233,7 +234,8 @@ class KubeCluster:
         self._run("kwok", "--kubeconfig", str(self.kubeconfig), "--config", str(stages),
                   "--manage-all-nodes=false", "--manage-nodes-with-annotation-selector",
                   ",".join(f"{k}={v}" for k, v in FAKE_NODE.items()),
-                  "--node-ip", "127.0.0.1", "--cidr", "10.244.0.1/16",
+                  # pods get loopback addresses: a server the tests run for a pod (PodProcesses) is reachable there
+                  "--node-ip", "127.0.0.1", "--cidr", "127.244.0.1/16",
                   "--node-lease-duration-seconds", "40", "--server-address", f"127.0.0.1:{_free_port()}")
 
         self.kubectl("apply", "--server-side", "-f", str(VOLCANO_CRDS))
@@ -304,6 +306,75 @@ class KubeCluster:
             not_ready = [t for t in now["spec"].get("taints") or [] if t["key"].startswith("node.kubernetes.io/")]
             return now if conditions.get("Ready") == "True" and not not_ready else None
         return _wait(f"node {name} Ready and schedulable", ready, 60)
+
+
+class PodProcesses:
+    """The container runtime's part, which KWOK leaves out: while a pod of `namespace` runs (KWOK made it
+    Running on a loopback pod address), its first container's command runs as a local process with the pod's
+    environment, listening on the pod's address; it is killed when the pod goes. A stand-in, named as one:
+    no image is pulled, the command must exist on this machine (a notebook server's `jupyterhub-singleuser`)."""
+
+    def __init__(self, cluster: KubeCluster, namespace: str, workdir: Path):
+        self.cluster, self.namespace, self.workdir = cluster, namespace, workdir
+        self.processes: dict[str, tuple[str, subprocess.Popen]] = {}  # pod uid → (name, process)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="pod-processes")
+
+    def __enter__(self) -> PodProcesses:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for _, process in self.processes.values():
+            _end(process)
+
+    def _run(self) -> None:
+        session = self.cluster.api()
+        while not self._stop.wait(0.2):
+            with contextlib.suppress(requests.RequestException, ValueError):
+                pods = session.get(f"{self.cluster.url}/api/v1/namespaces/{self.namespace}/pods", timeout=10).json()
+                running = {}
+                for pod in pods.get("items", []):
+                    uid, status = pod["metadata"]["uid"], pod.get("status") or {}
+                    if status.get("phase") == "Running" and status.get("podIP") and not pod["metadata"].get(
+                            "deletionTimestamp"):
+                        running[uid] = pod
+                for uid, (name, process) in list(self.processes.items()):
+                    if uid not in running:
+                        _end(process)
+                        del self.processes[uid]
+                for uid, pod in running.items():
+                    if uid not in self.processes:
+                        self.processes[uid] = (pod["metadata"]["name"], self._start(pod))
+
+    def _start(self, pod: dict) -> subprocess.Popen:
+        container = pod["spec"]["containers"][0]
+        env = {"PATH": os.environ["PATH"], "HOME": str(self.workdir)}
+        env.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
+        address = pod["status"]["podIP"]
+        # What the pod's network gives a container: its own address (JupyterHub tells the server where to listen
+        # through JUPYTERHUB_SERVICE_URL; KubeSpawner's is 0.0.0.0, every pod's own in a cluster).
+        if "JUPYTERHUB_SERVICE_URL" in env:
+            env["JUPYTERHUB_SERVICE_URL"] = env["JUPYTERHUB_SERVICE_URL"].replace("0.0.0.0", address)
+        command = [*(container.get("command") or []), *(container.get("args") or [])]
+        if os.getuid() == 0:
+            command.append("--allow-root")
+        log = (self.workdir / f"{pod['metadata']['name']}.log").open("ab")
+        return subprocess.Popen(command, env=env, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def _end(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, 15)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            process.wait()
 
 
 @contextlib.contextmanager

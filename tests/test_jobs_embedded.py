@@ -6,6 +6,7 @@ No double anywhere: the declared H200 card is the pool's inventory (no NVML here
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -58,6 +59,8 @@ UNTIL_STOPPED = [sys.executable, "-c", "import signal, sys, time\n"
 
 
 def _kill_leftovers(hub: Hub) -> None:
+    with contextlib.suppress(OSError, ValueError):  # the proxy of a killed hub (its command line names no folder)
+        os.kill(int((hub.state / "proxy.pid").read_text()), signal.SIGKILL)
     for process in psutil.process_iter(["cmdline"]):  # no job, server or service outlives the test
         if str(hub.state) in " ".join(process.info["cmdline"] or []) or str(hub.log.parent) in " ".join(
                 process.info["cmdline"] or []):

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+import requests
 import yaml
 
 from gpupool.hub.accounting import periods
@@ -315,3 +316,74 @@ async def test_each_backends_pod_is_admitted_by_the_api_server_and_bound_to_a_no
     assert landed["h200-mig-1g"].startswith("gpu-h200")
     assert "mig-3g-40gb" in landed["a100-mig-3g"]  # MIG's single strategy: the node labelled by slice
     assert periods.utcnow() and ledger.open_intervals() == []
+
+
+# --- a real hub with GPUKubeSpawner ------------------------------------------------------------------------------
+
+KUBE_HUB = """
+c.LocalGPUSpawner.run_as = "self"
+c.JupyterHub.spawner_class = "gpupool.spawner.kube.GPUKubeSpawner"
+c.GPUKubeSpawner.policy_dir = c.LocalGPUSpawner.policy_dir
+c.GPUKubeSpawner.ledger_url = c.LocalGPUSpawner.ledger_url
+c.GPUKubeSpawner.namespace = {namespace!r}
+# Not pulled: PodProcesses runs the command of the pod on this machine, on the pod's loopback address.
+c.GPUKubeSpawner.cmd = [{singleuser!r}]
+c.GPUKubeSpawner.hub_connect_url = f"http://127.0.0.1:{{c.JupyterHub.hub_port}}"
+c.GPUKubeSpawner.start_timeout = 240
+c.GPUKubeSpawner.queue_poll_interval = 0.5
+"""
+
+
+def test_a_real_hub_starts_a_notebook_pod_its_user_reaches_which_survives_a_hub_restart_and_stops(
+        cluster, tmp_path, monkeypatch):
+    from gpupool.hub.harness import Hub
+
+    policies = kube.policy_copy(tmp_path, queue_timeout=240)
+    cluster.kubectl("apply", "--server-side", "-f", "-",
+                    input=gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path))
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))  # what the hub process finds the cluster by
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    singleuser = str(Path(sys.executable).with_name("jupyterhub-singleuser"))
+    hub = Hub(tmp_path / "hub", {p.name: p.read_text() for p in policies.glob("*.yaml")},
+              KUBE_HUB.format(namespace=NAMESPACE, singleuser=singleuser), mlflow=False)
+    workdir = tmp_path / "containers"
+    workdir.mkdir()
+    with kc.PodProcesses(cluster, NAMESPACE, workdir):
+        hub.start()
+        try:
+            hub.add_user("alice", "vision")
+            reply = hub.api("POST", "/users/alice/server", json={"profile": "h200-quarter"})
+            assert reply.status_code in (201, 202), reply.text
+            server = hub.wait_ready("alice", timeout=240)
+            pods = cluster.get(f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector=hub.jupyter.org/username=alice")
+            (pod,) = pods["items"]
+            node = cluster.get(f"/api/v1/nodes/{pod['spec']['nodeName']}")
+            assert node["metadata"]["labels"]["nvidia.com/gpu.product"] == "NVIDIA-H200"
+            assert pod["metadata"]["annotations"]["scheduling.volcano.sh/queue-name"] == "vision"
+            assert server["ready"] and pod["status"]["phase"] == "Running"
+            # alice reaches her server through the hub's proxy with her own token.
+            token = hub.user_token("alice")
+            status = requests.get(f"{hub.url}/user/alice/api/status", headers={"Authorization": f"token {token}"},
+                                  timeout=30)
+            assert status.status_code == 200, status.text
+            ledger = get_ledger(hub.ledger_url)
+            (held,) = ledger.open_intervals()
+            assert (held.user, held.profile, held.share, held.state) == ("alice", "h200-quarter", Fraction(1, 4),
+                                                                         State.RUNNING)
+
+            # The hub crashes and comes back: the pod and its server are found again, the interval goes on.
+            hub.kill()
+            hub.start()
+            hub.wait_ready("alice", timeout=120)
+            again = requests.get(f"{hub.url}/user/alice/api/status", headers={"Authorization": f"token {token}"},
+                                 timeout=30)
+            assert again.status_code == 200, again.text
+            assert [i.key for i in ledger.open_intervals()] == [held.key]
+
+            hub.stop_server("alice", timeout=120)
+            gone = cluster.api().get(f"{cluster.url}/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}",
+                                     timeout=10)
+            assert gone.status_code == 404
+            assert ledger.interval(held.key).how == HowEnded.STOPPED and ledger.open_intervals() == []
+        finally:
+            hub.stop()
