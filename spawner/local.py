@@ -36,7 +36,7 @@ from gpupool.spawner.accounts import (
     DEFAULT_RECORD, Account, IdentityConflict, ensure_account, is_shared_with_group, share_with_group,
 )
 from gpupool.spawner.datasets import ServerDatasets
-from gpupool.spawner.mixin import GPUPoolSpawnerMixin, refusal
+from gpupool.spawner.mixin import Availability, GPUPoolSpawnerMixin, ProfileAvailability, refusal
 from gpupool.spawner.pool import (
     AllocationStore, Decide, Hold, LocalPool, Refused, Request, Verdict, discover_cards, process_alive,
     process_start_time,
@@ -567,6 +567,34 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
         env["GPUPOOL_TEAM_ROOT"] = self.team_root
         env["GPUPOOL_POLICIES"] = self.policy_dir
         return env
+
+    async def profile_availability(self) -> Availability:
+        """What a spawn of each profile the user may pick would do now: the pool's own pass of the queue
+        (`LocalPool.preview`), through the same quota and budget decisions, on a copy of the cards' use."""
+        teams = self.user_teams()
+        if not teams:
+            return Availability()
+        policy = self.policy
+        requests: dict[str, Request] = {}
+        seen: dict[str, ProfileAvailability] = {}
+        for slug, profile in self.available_profiles().items():
+            if profile.gpu is None:
+                seen[slug] = ProfileAvailability("start", "no GPU: it never queues")
+                continue
+            team = next(t for t in teams if t in profile.teams)
+            requests[slug] = Request(
+                key=f"{self.pool_key}#availability-{slug}", user=self.user.name, team=team, profile=slug,
+                display_name=profile.display_name, model=profile.gpu.model, share=profile_share(profile, policy),
+                priority=policy.job_priority(team), holding="availability",
+            )
+        pool = self.pool
+        outcomes = await asyncio.to_thread(pool.preview, list(requests.values())) if requests else {}
+        words = {"place": "start", "wait": "wait", "deny": "refuse"}
+        for slug, request in requests.items():
+            outcome = outcomes[request.key]
+            seen[slug] = ProfileAvailability(words[outcome.action], outcome.reason, str(outcome.code))
+        waiting = [t.request.team for t in list(pool.waiting.values()) if not t.future.done()]
+        return Availability(seen, len(waiting), sum(1 for team in waiting if team in teams))
 
     async def start(self):
         choice = self.ensure_choice()

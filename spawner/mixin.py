@@ -11,7 +11,10 @@ import copy
 import html
 import os
 import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from jupyterhub.spawner import SpawnException
 from sqlalchemy.orm import object_session
@@ -51,6 +54,54 @@ def choice_env(choice: Choice, policy: Policy) -> dict[str, str]:
     if choice.profile.gpu is not None:
         env["GPUPOOL_GPU_MODEL"] = choice.profile.gpu.model
     return env
+
+
+@dataclass(frozen=True)
+class ProfileAvailability:
+    """What a spawn of one profile would do now: `start`, `wait` (in the queue) or `refuse`, and why."""
+
+    action: Literal["start", "wait", "refuse"]
+    reason: str = ""
+    code: str = ""
+
+
+@dataclass(frozen=True)
+class Availability:
+    """The spawn page's view of the pool: per profile slug what a spawn would do now, and the queue's length."""
+
+    profiles: Mapping[str, ProfileAvailability] = field(default_factory=dict)
+    queue_length: int | None = None  # requests waiting in the pool's queue now; None: not known
+    team_queue_length: int | None = None  # of them, the user's teams'
+
+    WORDS = {"start": ("starts now", "success"), "wait": ("would wait", "warning"), "refuse": ("cannot start", "danger")}
+
+    def badge(self, slug: str) -> str:
+        seen = self.profiles.get(slug)
+        if seen is None:
+            return ""
+        words, colour = self.WORDS[seen.action]
+        reason = f": {html.escape(seen.reason)}" if seen.reason and seen.action != "start" else ""
+        return (f'<div class="small gpupool-availability" id="availability-{html.escape(slug)}" '
+                f'data-action="{seen.action}"><span class="badge bg-{colour} text-bg-{colour}">{words}</span>'
+                f"{reason}</div>")
+
+    def summary(self) -> str:
+        if self.queue_length is None:
+            return ""
+        return (f'<p class="small gpupool-availability" id="availability-queue">Queue now: {self.queue_length} '
+                f"request(s) waiting, {self.team_queue_length} of them from your team(s). Under each profile: what "
+                "it would do if you started it now (refreshed every 15 s).</p>")
+
+    def script(self) -> str:
+        if not self.profiles:
+            return ""
+        # Refreshed while the page is open: the same page fetched again, only its availability lines replaced
+        # (the user's choice in the form is left as it is).
+        return ("<script>setInterval(function(){fetch(window.location.href,{credentials:'same-origin'})"
+                ".then(function(r){return r.ok?r.text():null}).then(function(t){if(!t)return;"
+                "var d=new DOMParser().parseFromString(t,'text/html');"
+                "document.querySelectorAll('.gpupool-availability').forEach(function(e){"
+                "var n=d.getElementById(e.id);if(n){e.outerHTML=n.outerHTML}})})},15000)</script>")
 
 
 class AdmissionRefused(SpawnException):
@@ -178,10 +229,25 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
 
     @default("options_form")
     def _default_options_form(self):
-        return GPUPoolSpawnerMixin._render_form
+        return GPUPoolSpawnerMixin._form_with_availability
+
+    async def profile_availability(self) -> Availability:
+        """Whether each profile the user may pick would start now or wait, and why; empty where the spawner
+        cannot tell before trying (the Kubernetes mode: Volcano decides in the cluster)."""
+        return Availability()
 
     @staticmethod
-    def _render_form(spawner) -> str:
+    async def _form_with_availability(spawner) -> str:
+        try:
+            availability = await spawner.profile_availability()
+        except Exception:  # noqa: BLE001 - a comfort: the form works without it
+            spawner.log.exception("The spawn page's availability could not be computed; the form goes without it")
+            availability = Availability()
+        return GPUPoolSpawnerMixin._render_form(spawner, availability)
+
+    @staticmethod
+    def _render_form(spawner, availability: Availability | None = None) -> str:
+        availability = availability or Availability()
         profiles = spawner.available_profiles()
         if not profiles:
             return ("<p>You are not in any team yet, so there is no profile to start. Ask an administrator "
@@ -206,9 +272,9 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
                 f'{" · " + html.escape(profile.description) if profile.description else ""}'
                 f'{" · " + str(share) + " GPU" if share else ""}'
                 f'{" · teams: " + html.escape(", ".join(t for t in profile.teams if t in spawner.user_teams())) if len(spawner.user_teams()) > 1 else ""}'
-                f"{images}</label>"
+                f"{availability.badge(slug)}{images}</label>"
             )
-        return '<div class="list-group">' + "".join(rows) + "</div>"
+        return availability.summary() + '<div class="list-group">' + "".join(rows) + "</div>" + availability.script()
 
     # A trait default, not a method: a method would shadow JupyterHub's configurable `options_from_form`
     # (a callable, 'simple' or 'passthrough' set in the configuration must win), as in KubeSpawner.

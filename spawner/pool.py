@@ -484,6 +484,40 @@ class LocalPool:
     def capacity(self, model: str) -> int:
         return sum(1 for c in self.cards if c.model == model)
 
+    def preview(self, asked: list[Request]) -> dict[str, Outcome]:
+        """What the queue would do now with each request of `asked` if it alone arrived now, behind everything
+        waiting: `place` (it would start at once), `wait` (with the code and reason a spawn would then show) or
+        `deny`. Nothing is placed, held or written: the same pass (`admit_in_order`) on a copy of the cards'
+        use, through the same decisions, without the door's write. The spawn page's availability.
+
+        Blocking (reads the allocation store and the ledger): call it from a thread, not the event loop.
+        """
+        used = self.store.used()
+        holdings = self.holdings()
+        pending = [(t.request, t.seq) for t in list(self.waiting.values()) if not t.future.done()]
+        after = max((seq for _, seq in pending), default=0) + 1
+        outcomes: dict[str, Outcome] = {}
+        for request in asked:
+            if request.share > self.capacity(request.model):
+                outcomes[request.key] = Outcome(request.key, "deny", Reason.NEVER_FITS_POOL, (
+                    f"{request.display_name} can never fit: the pool has {self.capacity(request.model)} "
+                    f"{request.model} card(s)"))
+                continue
+            trial = dict(used)
+
+            def reserve(candidate: Request, trial=trial) -> Allocation | None:
+                chosen = place(self.cards, trial, candidate.model, candidate.share, self.placement(candidate.model))
+                if chosen is None:
+                    return None
+                for card in chosen:
+                    trial[card] = trial.get(card, Fraction(0)) + min(candidate.share, Fraction(1))
+                return Allocation(candidate.key, candidate.user, candidate.team, candidate.profile, candidate.model,
+                                  candidate.share, chosen)
+
+            done, _ = admit_in_order([*pending, (request, after)], holdings, self.decide, reserve, self.capacity)
+            outcomes[request.key] = next(o for o in done if o.key == request.key)
+        return outcomes
+
     async def acquire(self, request: Request, timeout: float | None = None, options: dict | None = None,
                       first: bool = False) -> Allocation:
         """Wait in the team's queue until `request` is admitted and placed; the allocation is recorded.

@@ -230,6 +230,47 @@ def test_a_waiting_whole_card_is_not_overtaken_by_smaller_requests(store):
     run(scenario())
 
 
+def test_a_preview_says_what_the_queue_would_do_and_changes_nothing(store):
+    def quota(req: Request, holdings: Holdings) -> Verdict:
+        if req.team == "blocked":
+            return Verdict("deny", "budget used up", code=Reason.BUDGET_DENY)
+        if holdings.team.get(req.team, 0) + req.share > 1 and req.team == "small":
+            return Verdict("wait", "team small holds its 1 GPU", code=Reason.QUOTA_FULL)
+        return Verdict("admit", code=Reason.WITHIN_QUOTA)
+
+    async def scenario():
+        pool = LocalPool(H200, store, decide=quota)
+        await pool.acquire(request(0, Fraction(1)))
+        await pool.acquire(request(1, Fraction(1, 2)))
+        asked = [request(10), request(11, Fraction(1)), request(12, Fraction(3)), request(13, team="blocked")]
+        before = store.all()
+        outcomes = await asyncio.to_thread(pool.preview, asked)
+        assert {k: (o.action, o.code) for k, o in outcomes.items()} == {
+            "user10/": ("place", Reason.WITHIN_QUOTA),  # a quarter fits beside the half
+            "user11/": ("wait", Reason.NO_CAPACITY),  # no whole card is free
+            "user12/": ("deny", Reason.NEVER_FITS_POOL),  # three cards, in a pool of two
+            "user13/": ("deny", Reason.BUDGET_DENY),
+        }
+        assert outcomes["user11/"].reason.startswith("no H200 has 1 free")
+        assert store.all() == before and pool.waiting == {}  # nothing placed, held or queued
+
+        # A whole card waiting ahead: a quarter would now wait behind it, as a spawn then does.
+        whole = asyncio.create_task(pool.acquire(request(2, Fraction(1))))
+        await settle(pool)
+        (previewed,) = (await asyncio.to_thread(pool.preview, [request(3)])).values()
+        assert (previewed.action, previewed.code) == ("wait", Reason.NO_CAPACITY)
+        quarter = asyncio.create_task(pool.acquire(request(3)))
+        await settle(pool)
+        assert not quarter.done() and pool.ticket("user3/").code is previewed.code
+        pool.release("user1/")
+        await asyncio.wait_for(whole, 30)
+        (previewed,) = (await asyncio.to_thread(pool.preview, [request(4)])).values()
+        assert previewed.action == "wait"  # both cards whole-held now, the quarter still waiting ahead
+        quarter.cancel()
+
+    run(scenario())
+
+
 def decisions(action: str, reason: str) -> float:
     """`gpupool_admission_decisions_total{action, reason}` in this process's registry."""
     value = REGISTRY.get_sample_value("gpupool_admission_decisions_total", {"action": action, "reason": reason})
