@@ -124,10 +124,10 @@ def main() -> None:
     problem = kc.missing_tools()
     if problem:
         sys.exit(problem)
-    from gpupool.policies import load_policy
+    from gpupool.policies import defaults, load_policy
 
     with tempfile.TemporaryDirectory() as tmp, kc.running_cluster() as cluster:
-        os.environ["GPUPOOL_LEDGER_URL"] = f"sqlite:///{Path(tmp) / 'ledger.sqlite'}"
+        os.environ["GPUPOOL_LEDGER_URL"] = defaults.ledger_url(tmp)
         policies = kube.policy_copy(Path(tmp), queue_timeout=300)
         (h200,) = [n for n in kc.fake_nodes(load_policy(policies)) if n["name"] == "gpu-h200-0"]
         for node in kc.fake_nodes(load_policy(policies)):
