@@ -2,7 +2,8 @@
 the embedded mode's job runner.
 
 `gpupool up` runs this instead of `jupyterhub`; configuration, options and behaviour are JupyterHub's, plus
-`gpupool.hub.sharing`'s routes in front of JupyterHub's share routes and, when the spawner is the embedded
+`gpupool.hub.sharing`'s routes in front of JupyterHub's share routes, the profiles' availability
+(`gpupool.hub.availability`) and, when the spawner is the embedded
 `LocalGPUSpawner`, the training jobs' runner (`gpupool.spawner.jobrunner`) in the hub process: one scheduler
 authority per machine for servers and jobs.
 """
@@ -17,6 +18,7 @@ from jupyterhub import orm
 from jupyterhub.app import JupyterHub
 from traitlets import Unicode, default
 
+from gpupool.hub.availability import availability_handlers
 from gpupool.hub.sharing import share_handlers
 from gpupool.policies import DEFAULT_POLICY_DIR
 from gpupool.spawner.wiring import JOB_TOKEN_SCOPES
@@ -44,7 +46,8 @@ class GPUPoolHub(JupyterHub):
     def init_handlers(self):
         super().init_handlers()
         # Tornado takes the first route that matches: these go before JupyterHub's routes of the same paths.
-        self.handlers[0:0] = self.add_url_prefix(self.hub_prefix, share_handlers(self.policy_dir))
+        self.handlers[0:0] = self.add_url_prefix(self.hub_prefix, [*share_handlers(self.policy_dir),
+                                                                   *availability_handlers()])
 
     job_runner = None
 

@@ -75,6 +75,11 @@ class Availability:
 
     WORDS = {"start": ("starts now", "success"), "wait": ("would wait", "warning"), "refuse": ("cannot start", "danger")}
 
+    def as_json(self) -> dict:
+        return {"queue_length": self.queue_length, "team_queue_length": self.team_queue_length,
+                "profiles": {slug: {"action": seen.action, "reason": seen.reason, "code": seen.code}
+                             for slug, seen in self.profiles.items()}}
+
     def badge(self, slug: str) -> str:
         seen = self.profiles.get(slug)
         if seen is None:

@@ -93,6 +93,15 @@ def test_the_spawn_page_says_what_a_spawn_would_do_and_spawns_then_do_it(hub, pe
     assert seen["h200-quarter"][0] == "start" and seen["h200"] == (
         "wait", "would wait: no H200 has 1 free: 0.25 of 1 allocated"), seen
     assert seen["queue"][1].startswith("Queue now: 0 request(s) waiting")
+    # The same for other pickers: the hub's REST API with the person's own token; another's is not theirs.
+    api = requests.get(f"{hub.url}/hub/api/users/carol/availability",
+                       headers={"Authorization": f"token {tokens['carol']}"}, timeout=60)
+    assert api.status_code == 200, api.text
+    assert api.json()["profiles"]["h200"] == {"action": "wait", "code": "no-capacity",
+                                              "reason": "no H200 has 1 free: 0.25 of 1 allocated"}
+    assert api.json()["profiles"]["h200-quarter"]["action"] == "start" and api.json()["queue_length"] == 0
+    assert requests.get(f"{hub.url}/hub/api/users/alice/availability", timeout=60,
+                        headers={"Authorization": f"token {tokens['carol']}"}).status_code == 404
     spawn(hub, tokens["carol"], "carol", "h200-quarter")
     hub.wait_ready("carol", timeout=240)  # it said it would start, and it did
     hub.stop_server("carol", timeout=120)
