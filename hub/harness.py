@@ -389,6 +389,19 @@ class Browser:
     def get(self, url: str) -> None:
         self.driver.get(url)
 
+    def log_in_as(self, hub_url: str, session: requests.Session) -> None:
+        """Take the login of `session` (a person's cookies for the hub at `hub_url`): cookies are set for the
+        page's site, so a page of the hub is opened first."""
+        self.get(f"{hub_url}/hub/login")
+        for cookie in session.cookies:
+            self.driver.add_cookie({"name": cookie.name, "value": cookie.value, "path": cookie.path or "/"})
+
+    def screenshot_whole_page(self, path: Path) -> Path:
+        """A screenshot of the whole page (the window grown to its height, at most 3000 pixels)."""
+        height = self.driver.execute_script("return document.documentElement.scrollHeight")
+        self.driver.set_window_size(1400, max(900, min(height + 120, 3000)))
+        return self.screenshot(path)
+
     def wait(self, condition, timeout: float = 120, message: str = ""):
         from selenium.webdriver.support.ui import WebDriverWait
 

@@ -119,9 +119,7 @@ def test_the_spawn_page_in_a_browser(hub, people):
     hub.wait_ready("alice", timeout=240)
     browser = Browser(chromium, driver)
     try:
-        browser.get(f"{hub.url}/hub/login")  # cookies are set for the page's site: open one of the hub's first
-        for cookie in sessions["bob"].cookies:
-            browser.driver.add_cookie({"name": cookie.name, "value": cookie.value, "path": cookie.path or "/"})
+        browser.log_in_as(hub.url, sessions["bob"])
         browser.start_recording()
         browser.get(f"{hub.url}/hub/spawn")
         text = browser.wait_for_text("would wait")
@@ -130,9 +128,7 @@ def test_the_spawn_page_in_a_browser(hub, people):
         assert "no H200 has 0.25 free: 1 of 1 allocated" in text, text
         assert not browser.failed_requests(), browser.failed_requests()
         assert not browser.console_errors(), browser.console_errors()
-        height = browser.driver.execute_script("return document.documentElement.scrollHeight")
-        browser.driver.set_window_size(1400, max(900, min(height + 120, 3000)))
-        browser.screenshot(SCREENSHOTS / "spawn-availability.png")
+        browser.screenshot_whole_page(SCREENSHOTS / "spawn-availability.png")
     finally:
         browser.quit()
     hub.stop_server("alice", timeout=120)

@@ -261,9 +261,7 @@ def test_the_home_page_in_a_browser(hub, sessions):
         pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver)")
     browser = Browser(chromium, driver)
     try:
-        browser.get(f"{hub.url}/hub/login")  # cookies are set for the page's site: open one of the hub's first
-        for cookie in sessions["alice"].cookies:
-            browser.driver.add_cookie({"name": cookie.name, "value": cookie.value, "path": cookie.path or "/"})
+        browser.log_in_as(hub.url, sessions["alice"])
         browser.start_recording()
         browser.get(f"{hub.url}/hub/home")
         text = browser.wait_for_text("Your running servers")
@@ -271,9 +269,7 @@ def test_the_home_page_in_a_browser(hub, sessions):
         assert "notebook" in text and "train" in text and "CPU only" in text and "0.25 × H200" in text, text
         assert not browser.failed_requests(), browser.failed_requests()
         assert not browser.console_errors(), browser.console_errors()
-        height = browser.driver.execute_script("return document.documentElement.scrollHeight")
-        browser.driver.set_window_size(1400, max(900, min(height + 120, 3000)))  # the whole page
-        browser.screenshot(SCREENSHOTS / "home-named-servers.png")
+        browser.screenshot_whole_page(SCREENSHOTS / "home-named-servers.png")
     finally:
         browser.quit()
 
