@@ -66,6 +66,37 @@ def _bill(args: argparse.Namespace) -> int:
     return 0
 
 
+def _usage_export(args: argparse.Namespace) -> int:
+    import json
+
+    from gpupool.hub.accounting.export import usage_csv
+    from gpupool.hub.accounting.ledger import Ledger
+    from gpupool.hub.lifecycle import NoPlatform, find_state_dir
+    from gpupool.policies.defaults import ledger_url
+
+    try:
+        state = find_state_dir(args.state_dir, running=False) if args.state_dir or not args.ledger else None
+    except NoPlatform as error:
+        print(f"gpupool usage export: {error}, or --ledger", file=sys.stderr)
+        return 1
+    hub = json.loads((state / "hub.json").read_text()) if state and (state / "hub.json").exists() else {}
+    ledger = Ledger(args.ledger or hub.get("ledger_url") or ledger_url(state), migrate=False)
+    try:
+        text = usage_csv(ledger, args.period)
+    except ValueError as error:
+        print(f"gpupool usage export: {error}", file=sys.stderr)
+        return 1
+    finally:
+        ledger.dispose()
+    if args.output:
+        with open(args.output, "w") as out:
+            out.write(text)
+        print(f"gpupool usage export: {text.count(chr(10)) - 1} runs of {args.period} in {args.output}", file=sys.stderr)
+    else:
+        print(text, end="")
+    return 0
+
+
 STATE_HELP = ("state folder of the platform (default: the platform `gpupool up` started, recorded in "
               "~/.local/state/gpupool)")
 
@@ -122,6 +153,17 @@ def build_parser() -> argparse.ArgumentParser:
     bill.add_argument("--state-dir", help=STATE_HELP)
     bill.add_argument("--ledger", help="ledger database URL instead (e.g. postgresql+psycopg://…)")
     bill.set_defaults(func=_bill)
+
+    usage = commands.add_parser("usage", help="the usage ledger's records")
+    usage_commands = usage.add_subparsers(dest="usage_command", required=True, metavar="SUBCOMMAND")
+    export = usage_commands.add_parser(
+        "export", help="a month's runs (servers and jobs: arrival, start, end, who, on what) as CSV, a workload "
+                       "`gpupool replay` reads back")
+    export.add_argument("--period", required=True, help="the month, YYYY-MM (UTC)")
+    export.add_argument("--output", "-o", metavar="FILE", help="write to FILE (default: standard output)")
+    export.add_argument("--state-dir", help=STATE_HELP)
+    export.add_argument("--ledger", help="ledger database URL instead (e.g. postgresql+psycopg://…)")
+    export.set_defaults(func=_usage_export)
 
     team = commands.add_parser("team", help="manage team membership")
     team_commands = team.add_subparsers(dest="team_command", required=True, metavar="SUBCOMMAND")

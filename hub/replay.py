@@ -28,6 +28,7 @@ from pathlib import Path
 
 from gpupool.hub.accounting import admission
 from gpupool.hub.accounting.admission import DIRECT_PROFILE, LOWEST_PRIORITY, AdmissionRequest, Holdings, Usage
+from gpupool.hub.accounting.export import USAGE_HEADER
 from gpupool.hub.accounting.periods import period_of
 from gpupool.policies import PolicyError, load_policy
 from gpupool.policies.model import PLACEMENTS, Policy
@@ -855,14 +856,39 @@ def openb_table(trace: Openb, results: dict, seeds: int, seconds: float) -> str:
 PHILLY_HEADER = ["timestamp", "duration", "num_gpus", "gpu_time", "cluster"]
 
 
+def read_usage(path: str | Path, limit: int | None = None) -> Workload:
+    """The platform's own history (`gpupool usage export`): each run arrives when it was asked for and runs as
+    long as it ran, as its user in its team, asking for its model and share directly (so a policy set with other
+    profiles replays it too). Servers and jobs alike are batch work here: they wait without a queue timeout."""
+    rows = []
+    with open(path, newline="") as f:
+        for n, row in enumerate(csv.DictReader(f)):
+            try:
+                arrival, start, end = (datetime.fromisoformat(row[k].replace("Z", "+00:00"))
+                                       for k in ("arrival", "start", "end"))
+                share = Fraction(row["share"])
+            except (KeyError, ValueError, ZeroDivisionError) as error:
+                raise ValueError(f"{path}: row {n + 2} is not a usage export's row ({error})") from None
+            rows.append((arrival, (end - start).total_seconds(), row["user"], row["team"], row["model"], share))
+    rows.sort(key=lambda r: r[0])
+    if limit is not None:
+        rows = rows[:limit]
+    begin = rows[0][0] if rows else datetime(1970, 1, 1, tzinfo=timezone.utc)
+    jobs = [Job(f"usage-{n}", user, team, model, share, (arrival - begin).total_seconds(), max(duration, 0.0))
+            for n, (arrival, duration, user, team, model, share) in enumerate(rows)]
+    return Workload(jobs, begin, f"usage {path}")
+
+
 def read_workload(path: str | Path, limit: int | None = None) -> Workload:
     """The workload at `path`, by its header; ValueError naming the formats accepted."""
     with open(path, newline="") as f:
         header = next(csv.reader(f), [])
     if header == PHILLY_HEADER:
         return read_philly(path, limit=limit)
+    if header == USAGE_HEADER:
+        return read_usage(path, limit=limit)
     raise ValueError(f"{path}: not a workload this replay reads (its header is {','.join(header)!r}); accepted: "
-                     f"a Philly trace ({','.join(PHILLY_HEADER)})")
+                     f"a Philly trace ({','.join(PHILLY_HEADER)}) or `gpupool usage export`'s ({','.join(USAGE_HEADER)})")
 
 
 def _capacity(text: str) -> tuple[str, int]:

@@ -220,3 +220,63 @@ def test_a_replay_gives_up_once_a_team_is_sure_to_miss_its_wait_target():
                      give_up_over=600.0)
     # 40 jobs allow 2 waits above p95; three cards start the 4th to 6th jobs an hour late: the 3rd late one stops it.
     assert short.aborted and short.results["a5"].started == 3600.0 and short.results["a6"].started is None
+
+
+def test_the_platforms_own_history_is_exported_and_replayed(tmp_path):
+    """`gpupool usage export` from another folder writes a month's runs; `gpupool replay` reads them back and
+    replays exactly the work the ledger recorded."""
+    from datetime import timedelta
+
+    from gpupool.hub.accounting.ledger import INTERVALS, Ledger, job_run_key
+
+    url = f"sqlite:///{tmp_path / 'usage.sqlite'}"
+    ledger = Ledger(url)
+    t0 = datetime(2026, 11, 2, 9, 0, tzinfo=timezone.utc)
+    minutes = lambda n: t0 + timedelta(minutes=n)  # noqa: E731
+    # alice's server: asked for at 9:00, waited 10 min, ran 2 h on a quarter card.
+    ledger.keep_run("alice/@1", "alice", "vision", "h200-quarter", "H200", Fraction(1, 4), minutes(10), minutes(10),
+                    queue_wait=timedelta(minutes=10))
+    ledger.close_run("alice/@1", minutes(130), "stopped")
+    # bob's training job: a whole card for an hour, no wait.
+    job = job_run_key("0123456789ab", minutes(30))
+    ledger.keep_run(job, "bob", "vision", "h200", "H200", Fraction(1), minutes(30), minutes(30))
+    ledger.close_run(job, minutes(90), "stopped")
+    # carol's holding, admitted but never run (as the door leaves it): not usage, not exported.
+    ledger.open_interval("carol-held", "carol", "vision", "h200", "H200", Fraction(1), minutes(40))
+    with ledger.engine.begin() as connection:
+        connection.execute(INTERVALS.update().where(INTERVALS.c.key == "carol-held").values(state="reserved"))
+    ledger.close_interval("carol-held", minutes(41), "failed")
+    ledger.dispose()
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = elsewhere / "november.csv"
+    done = subprocess.run([sys.executable, "-m", "gpupool.hub.cli", "usage", "export", "--period", "2026-11",
+                           "--ledger", url, "--output", out.name], capture_output=True, text=True, cwd=elsewhere)
+    assert done.returncode == 0, done.stderr
+    assert "2 runs of 2026-11" in done.stderr
+    lines = out.read_text().splitlines()
+    assert lines == [
+        "arrival,start,end,user,team,profile,model,share,kind,how",
+        "2026-11-02T09:00:00Z,2026-11-02T09:10:00Z,2026-11-02T11:10:00Z,alice,vision,h200-quarter,H200,1/4,server,stopped",
+        "2026-11-02T09:30:00Z,2026-11-02T09:30:00Z,2026-11-02T10:30:00Z,bob,vision,h200,H200,1,job,stopped",
+    ]
+
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "policy.yaml").write_text(
+        "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [hami, whole]}\n"
+        "inventory: [{model: H200, count: 2}]\nteams:\n  vision: {}\n")
+    done = subprocess.run([sys.executable, "-m", "gpupool.hub.cli", "replay", out.name, "--policies", str(policies),
+                           "--format", "json"], capture_output=True, text=True, cwd=elsewhere)
+    assert done.returncode == 0, done.stderr
+    overall = json.loads(done.stdout)[str(policies)]["overall"]
+    # The same work: 0.25 × 2 h + 1 × 1 h = 1.5 GPU-hours, both runs done, on two cards neither waits.
+    assert (overall["jobs"], overall["completed"], overall["gpu_hours"]) == (2, 2, 1.5)
+    assert overall["wait_max_s"] == 0
+
+    bad = elsewhere / "bad.csv"
+    bad.write_text(lines[0] + "\nyesterday,,,alice,vision,x,H200,1/4,server,stopped\n")
+    done = subprocess.run([sys.executable, "-m", "gpupool.hub.cli", "replay", bad.name, "--policies", str(policies)],
+                          capture_output=True, text=True, cwd=elsewhere)
+    assert done.returncode != 0 and "row 2 is not a usage export's row" in done.stderr

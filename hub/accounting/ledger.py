@@ -610,13 +610,15 @@ class Ledger:
         with self.engine.connect() as connection:
             return [_interval(row) for row in connection.execute(query)]
 
-    def intervals_overlapping(self, start: datetime, end: datetime, *, user: str, team: str) -> list[Interval]:
-        """`user`'s intervals charged to `team` that overlap [start, end) (open ones included): what was billed,
-        so reserved holdings (admitted, not running) are left out."""
+    def intervals_overlapping(self, start: datetime, end: datetime, *, user: str | None = None,
+                              team: str | None = None) -> list[Interval]:
+        """The intervals (of `user`, charged to `team`, when given) that overlap [start, end), open ones included:
+        what was billed, so reserved holdings (admitted, not running) are left out."""
         query = (sa.select(INTERVALS)
-                 .where(INTERVALS.c.user == user, INTERVALS.c.team == team, INTERVALS.c.start_at < end,
-                        INTERVALS.c.state == State.RUNNING.value,
-                        sa.or_(INTERVALS.c.end_at.is_(None), INTERVALS.c.end_at > start))
+                 .where(INTERVALS.c.start_at < end, INTERVALS.c.state == State.RUNNING.value,
+                        sa.or_(INTERVALS.c.end_at.is_(None), INTERVALS.c.end_at > start),
+                        *([INTERVALS.c.user == user] if user is not None else []),
+                        *([INTERVALS.c.team == team] if team is not None else []))
                  .order_by(INTERVALS.c.start_at, INTERVALS.c.key))
         with self.engine.connect() as connection:
             return [_interval(row) for row in connection.execute(query)]
