@@ -591,6 +591,8 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f}h"
 
 
+#: Samples of the timeline an HTML report draws.
+TIMELINE_POINTS = 400
 COLUMNS = [("jobs", "jobs"), ("completed", "done"), ("gpu_hours", "GPU-h"), ("utilisation", "util"),
            ("wait_p50_s", "wait p50"), ("wait_p95_s", "wait p95"), ("wait_max_s", "wait max"),
            ("completed_per_day", "done/day"), ("denied", "denied"), ("deprioritized", "deprio")]
@@ -619,6 +621,41 @@ def table(summaries: dict[str, dict]) -> str:
                 if s["not_in_policies"] else "")
              for name, s in summaries.items()]
     return "\n".join(heads + [""] + lines)
+
+
+def html_report(summaries: dict[str, dict], runs: dict[str, Replay], workload: str) -> str:
+    """A page: the table, cells where policy sets differ highlighted, and each set's timeline chart (SVG)."""
+    from html import escape
+
+    from gpupool.hub.accounting.charts import timeline_chart
+
+    def shown(s: dict, team: str, key: str) -> str | None:
+        block = s["overall"] if team == "(all)" else s["teams"].get(team)
+        return None if block is None else _cell(key, block[key])
+
+    def cell(team: str, key: str, value) -> str:
+        differs = len({shown(s, team, key) for s in summaries.values()}) > 1
+        return f'<td class="num{" differs" if differs else ""}">{escape(_cell(key, value))}</td>'
+
+    rows = []
+    for name, s in summaries.items():
+        for team, block in [("(all)", s["overall"])] + list(s["teams"].items()):
+            rows.append(f"<tr><td>{escape(name)}</td><td>{escape(team)}</td>"
+                        + "".join(cell(team, k, block[k]) for k, _ in COLUMNS) + "</tr>")
+    charts = "".join(
+        f"<figure>{timeline_chart(f'{name}: utilisation and queue over time', run.timeline, sum(run.capacity.values()))}"
+        "</figure>" for name, run in runs.items())
+    heads = "".join(f"<li>{escape(line)}</li>" for line in table(summaries).split("\n\n")[0].splitlines())
+    return ("<!doctype html><html><head><meta charset=\"utf-8\"><title>gpupool replay</title><style>"
+            "body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse}"
+            "td,th{padding:.2em .6em;border-bottom:1px solid #dee2e6}td.num{text-align:right}"
+            "td.differs{background:#fff3cd;font-weight:bold}figure{margin:1em 0}</style></head><body>"
+            f"<h1>gpupool replay</h1><p>{escape(workload)}</p><ul>{heads}</ul>"
+            "<table><thead><tr><th>policies</th><th>team</th>"
+            + "".join(f"<th>{escape(title)}</th>" for _, title in COLUMNS) + "</tr></thead><tbody>"
+            + "".join(rows) + "</tbody></table>"
+            + ("<p>Highlighted: where the policy sets differ.</p>" if len(summaries) > 1 else "")
+            + charts + "</body></html>\n")
 
 
 # --- capacity planning --------------------------------------------------------------------------------
@@ -909,7 +946,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cards per node: multi-card jobs need theirs on one node, or are gang-placed "
                              "across nodes when larger than one (default: one node, the embedded pool)")
     parser.add_argument("--limit", type=int, metavar="N", help="only the first N jobs of the workload")
-    parser.add_argument("--format", default="table", choices=["table", "json"])
+    parser.add_argument("--format", default="table", choices=["table", "json", "html"],
+                        help="table (default), json, or html: a page with the table and each set's timeline "
+                             "chart (utilisation and queue length over time, SVG)")
     parser.add_argument("--find-capacity", metavar="MODEL",
                         help="find the fewest MODEL cards serving every team within --wait-p95, pooled and dedicated")
     parser.add_argument("--wait-p95", type=parse_duration, default=600.0, metavar="DURATION",
@@ -1006,11 +1045,15 @@ def main(args: argparse.Namespace) -> int:
         else:
             print("\n\n".join(f"{name}: {capacity_table(found)}" for name, found in results.items()))
         return 0
-    summaries = {}
+    summaries, runs = {}, {}
     for name, policy in policies.items():
-        summaries[name] = summary(replay(work, policy, cards=cards[name], node_cards=args.node_cards))
+        runs[name] = replay(work, policy, cards=cards[name], node_cards=args.node_cards,
+                            timeline_points=TIMELINE_POINTS if args.format == "html" else 0)
+        summaries[name] = summary(runs[name])
     if args.format == "json":
         print(json.dumps(summaries, indent=2))
+    elif args.format == "html":
+        print(html_report(summaries, runs, work.source), end="")
     else:
         print(table(summaries))
     return 0

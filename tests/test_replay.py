@@ -6,6 +6,7 @@ import asyncio
 import heapq
 import json
 import random
+import re
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -280,3 +281,19 @@ def test_the_platforms_own_history_is_exported_and_replayed(tmp_path):
     done = subprocess.run([sys.executable, "-m", "gpupool.hub.cli", "replay", bad.name, "--policies", str(policies)],
                           capture_output=True, text=True, cwd=elsewhere)
     assert done.returncode != 0 and "row 2 is not a usage export's row" in done.stderr
+
+
+def test_the_html_report_has_the_table_with_differences_marked_and_a_timeline_per_policy_set():
+    work = workload(3)
+    bigger = Policy.model_validate({**POLICY.model_dump(), "inventory": [{"model": "H200", "count": 6}]})
+    runs = {name: R.replay(work, policy, timeline_points=50) for name, policy in (("three", POLICY), ("six", bigger))}
+    summaries = {name: R.summary(run) for name, run in runs.items()}
+    page = R.html_report(summaries, runs, "synthetic")
+    assert page.startswith("<!doctype html>") and page.count("<svg ") == 2
+    assert 'aria-label="three: utilisation and queue over time"' in page
+    # Six cards serve the same work with shorter waits: the overall waits differ, the job counts do not.
+    (three_all,) = re.findall(r"<tr><td>three</td><td>\(all\)</td>(.*?)</tr>", page)
+    cells = re.findall(r'<td class="num( differs)?">([^<]*)</td>', three_all)
+    assert cells[0] == ("", "28")  # jobs: the same in both
+    assert any(flag for flag, _ in cells[4:7]), cells  # a wait column differs
+    assert len(runs["three"].timeline) >= 50 and max(n for _, _, n in runs["three"].timeline) > 0

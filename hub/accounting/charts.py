@@ -153,3 +153,34 @@ def utilisation_chart(title: str, days: list[tuple[str, float]]) -> str:
         axes.set_axisbelow(True)
         axes.set_title(title)
         return _svg(figure, title)
+
+
+def timeline_chart(title: str, points: list[tuple[float, float, int]], capacity: float) -> str:
+    """A replay's timeline: GPUs allocated / capacity (area, left axis, percent) and requests waiting in the
+    queue (line, right axis), against days since the workload's start. `points`: (seconds, GPUs held, waiting)."""
+    from matplotlib.ticker import MaxNLocator, PercentFormatter
+
+    with _style():
+        figure = _figure(7.5, 3.0)
+        axes = figure.axes[0]
+        days = [t / 86400 for t, _, _ in points]
+        used = [held / capacity if capacity else 0.0 for _, held, _ in points]
+        waiting = [n for _, _, n in points]
+        axes.fill_between(days, used, step="post", color=BAR, alpha=0.35, linewidth=0)
+        axes.step(days, used, where="post", color=BAR, linewidth=1.2, label="allocated / capacity")
+        axes.set_ylim(0, 1.0)
+        axes.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
+        axes.set_ylabel("allocated / capacity", color=BAR)
+        axes.set_xlabel("days since the workload's first arrival")
+        axes.grid(axis="y", color=GRID, linewidth=0.6)
+        axes.set_axisbelow(True)
+        queue = axes.twinx()
+        queue.spines["right"].set_visible(True)
+        queue.step(days, waiting, where="post", color=LIMIT, linewidth=1.2, label="requests waiting")
+        queue.set_ylim(0, max(waiting + [1]) * 1.15)
+        queue.yaxis.set_major_locator(MaxNLocator(5, integer=True))
+        queue.set_ylabel("requests waiting", color=LIMIT)
+        if days:
+            axes.set_xlim(days[0], max(days[-1], days[0] + 1e-6))
+        axes.set_title(title)
+        return _svg(figure, title)
