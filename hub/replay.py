@@ -26,9 +26,9 @@ from datetime import datetime, timedelta, timezone
 from fractions import Fraction
 from pathlib import Path
 
-from gpupool.hub.accounting import admission
+from gpupool.hub.accounting import admission, periods
 from gpupool.hub.accounting.admission import DIRECT_PROFILE, LOWEST_PRIORITY, AdmissionRequest, Holdings, Usage
-from gpupool.hub.accounting.export import USAGE_HEADER
+from gpupool.hub.accounting.export import USAGE_HEADER, usage_rows
 from gpupool.hub.accounting.periods import period_of
 from gpupool.policies import PolicyError, load_policy
 from gpupool.policies.model import PLACEMENTS, Policy
@@ -623,11 +623,9 @@ def table(summaries: dict[str, dict]) -> str:
     return "\n".join(heads + [""] + lines)
 
 
-def html_report(summaries: dict[str, dict], runs: dict[str, Replay], workload: str) -> str:
-    """A page: the table, cells where policy sets differ highlighted, and each set's timeline chart (SVG)."""
+def html_table(summaries: dict[str, dict]) -> str:
+    """The results table as HTML, the cells where policy sets differ marked `differs`."""
     from html import escape
-
-    from gpupool.hub.accounting.charts import timeline_chart
 
     def shown(s: dict, team: str, key: str) -> str | None:
         block = s["overall"] if team == "(all)" else s["teams"].get(team)
@@ -642,18 +640,29 @@ def html_report(summaries: dict[str, dict], runs: dict[str, Replay], workload: s
         for team, block in [("(all)", s["overall"])] + list(s["teams"].items()):
             rows.append(f"<tr><td>{escape(name)}</td><td>{escape(team)}</td>"
                         + "".join(cell(team, k, block[k]) for k, _ in COLUMNS) + "</tr>")
-    charts = "".join(
-        f"<figure>{timeline_chart(f'{name}: utilisation and queue over time', run.timeline, sum(run.capacity.values()))}"
-        "</figure>" for name, run in runs.items())
+    return ('<table class="table table-sm gpupool" id="replay"><thead><tr><th>policies</th><th>team</th>'
+            + "".join(f'<th class="num">{escape(title)}</th>' for _, title in COLUMNS) + "</tr></thead><tbody>" + "".join(rows) + "</tbody></table>")
+
+
+def timeline_charts(runs: dict[str, Replay]) -> list[str]:
+    """Each policy set's timeline chart (SVG): utilisation and requests waiting over time."""
+    from gpupool.hub.accounting.charts import timeline_chart
+
+    return [timeline_chart(f"{name}: utilisation and queue over time", run.timeline, sum(run.capacity.values()))
+            for name, run in runs.items()]
+
+
+def html_report(summaries: dict[str, dict], runs: dict[str, Replay], workload: str) -> str:
+    """A page: the table, cells where policy sets differ highlighted, and each set's timeline chart (SVG)."""
+    from html import escape
+
+    charts = "".join(f"<figure>{chart}</figure>" for chart in timeline_charts(runs))
     heads = "".join(f"<li>{escape(line)}</li>" for line in table(summaries).split("\n\n")[0].splitlines())
     return ("<!doctype html><html><head><meta charset=\"utf-8\"><title>gpupool replay</title><style>"
             "body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse}"
             "td,th{padding:.2em .6em;border-bottom:1px solid #dee2e6}td.num{text-align:right}"
             "td.differs{background:#fff3cd;font-weight:bold}figure{margin:1em 0}</style></head><body>"
-            f"<h1>gpupool replay</h1><p>{escape(workload)}</p><ul>{heads}</ul>"
-            "<table><thead><tr><th>policies</th><th>team</th>"
-            + "".join(f"<th>{escape(title)}</th>" for _, title in COLUMNS) + "</tr></thead><tbody>"
-            + "".join(rows) + "</tbody></table>"
+            f"<h1>gpupool replay</h1><p>{escape(workload)}</p><ul>{heads}</ul>" + html_table(summaries)
             + ("<p>Highlighted: where the policy sets differ.</p>" if len(summaries) > 1 else "")
             + charts + "</body></html>\n")
 
@@ -893,27 +902,46 @@ def openb_table(trace: Openb, results: dict, seeds: int, seconds: float) -> str:
 PHILLY_HEADER = ["timestamp", "duration", "num_gpus", "gpu_time", "cluster"]
 
 
-def read_usage(path: str | Path, limit: int | None = None) -> Workload:
-    """The platform's own history (`gpupool usage export`): each run arrives when it was asked for and runs as
-    long as it ran, as its user in its team, asking for its model and share directly (so a policy set with other
-    profiles replays it too). Servers and jobs alike are batch work here: they wait without a queue timeout."""
-    rows = []
-    with open(path, newline="") as f:
-        for n, row in enumerate(csv.DictReader(f)):
-            try:
-                arrival, start, end = (datetime.fromisoformat(row[k].replace("Z", "+00:00"))
-                                       for k in ("arrival", "start", "end"))
-                share = Fraction(row["share"])
-            except (KeyError, ValueError, ZeroDivisionError) as error:
-                raise ValueError(f"{path}: row {n + 2} is not a usage export's row ({error})") from None
-            rows.append((arrival, (end - start).total_seconds(), row["user"], row["team"], row["model"], share))
-    rows.sort(key=lambda r: r[0])
+def usage_workload(rows: Iterable[dict[str, str]], source: str, limit: int | None = None) -> Workload:
+    """The platform's own history (rows of `gpupool usage export`): each run arrives when it was asked for and
+    runs as long as it ran, as its user in its team, asking for its model and share directly (so a policy set
+    with other profiles replays it too). Servers and jobs alike are batch work here: they wait without a queue
+    timeout. ValueError naming the first row that is not such a row."""
+    runs = []
+    for n, row in enumerate(rows):
+        try:
+            arrival, start, end = (datetime.fromisoformat(row[k].replace("Z", "+00:00"))
+                                   for k in ("arrival", "start", "end"))
+            share = Fraction(row["share"])
+        except (KeyError, ValueError, ZeroDivisionError) as error:
+            raise ValueError(f"{source}: row {n + 2} is not a usage export's row ({error})") from None
+        runs.append((arrival, (end - start).total_seconds(), row["user"], row["team"], row["model"], share))
+    runs.sort(key=lambda r: r[0])
     if limit is not None:
-        rows = rows[:limit]
-    begin = rows[0][0] if rows else datetime(1970, 1, 1, tzinfo=timezone.utc)
+        runs = runs[:limit]
+    begin = runs[0][0] if runs else datetime(1970, 1, 1, tzinfo=timezone.utc)
     jobs = [Job(f"usage-{n}", user, team, model, share, (arrival - begin).total_seconds(), max(duration, 0.0))
-            for n, (arrival, duration, user, team, model, share) in enumerate(rows)]
-    return Workload(jobs, begin, f"usage {path}")
+            for n, (arrival, duration, user, team, model, share) in enumerate(runs)]
+    return Workload(jobs, begin, f"usage {source}")
+
+
+def replay_usage(ledger, period: str, policies: dict[str, Policy], now: datetime | None = None
+                 ) -> tuple[Workload, dict[str, dict], dict[str, Replay]]:
+    """The ledger's runs of `period` (`gpupool usage export`'s rows) replayed under each policy set of
+    `policies` (name → policy) on its own inventory: the workload, the summaries and the runs (with their
+    timelines). Blocking (SQL, then the replays): from a thread in a service."""
+    start, end = periods.period_bounds(period)
+    rows = usage_rows(ledger.intervals_overlapping(start, end), now or periods.utcnow())
+    work = usage_workload(rows, f"the ledger's runs of {period}")
+    runs = {name: replay(work, policy, cards=pool_cards(policy), timeline_points=TIMELINE_POINTS)
+            for name, policy in policies.items()}
+    return work, {name: summary(run) for name, run in runs.items()}, runs
+
+
+def read_usage(path: str | Path, limit: int | None = None) -> Workload:
+    """A `gpupool usage export` CSV (see `usage_workload`)."""
+    with open(path, newline="") as f:
+        return usage_workload(csv.DictReader(f), str(path), limit)
 
 
 def read_workload(path: str | Path, limit: int | None = None) -> Workload:

@@ -216,6 +216,34 @@ def test_admin_report_utilisation_per_model_per_day(hub):
     assert not re.search(r"""(src|href)=["']?https?:|url\(["']?https?:|@import""", page.text), "nothing from outside"
 
 
+def test_admin_replays_a_months_usage_under_the_current_and_another_policies_folder(hub, tmp_path):
+    period = period_of(utcnow())  # the seeded runs are this month's
+    page = get(hub, "admin", "admin/replay", params={"period": period}, headers=BROWSER)
+    assert page.status_code == 200, page.text[-2000:]
+    assert 'id="replay"' in page.text and page.text.count('<svg role="img"') == 1
+    assert "current policies: utilisation and queue over time" in page.text
+    jobs = int(re.search(r"\((\d+) runs\)", page.text)[1])
+    assert jobs == 7  # alice's and lena's runs (the 0 s ones too) and nadia's, still running: every run billed
+    assert re.search(r"<td>current policies</td><td>\(all\)</td><td class=\"num\">7</td>", page.text)
+
+    bigger = tmp_path / "bigger"
+    bigger.mkdir()
+    (bigger / "policy.yaml").write_text(POLICY["policy.yaml"].replace("count: 2", "count: 8"))
+    both = get(hub, "admin", "admin/replay", params={"period": period, "policies": str(bigger)}, headers=BROWSER)
+    assert both.status_code == 200 and both.text.count('<svg role="img"') == 2
+    assert f"<td>{bigger}</td><td>(all)</td>" in both.text
+    assert 'class="num differs"' in both.text  # four times the cards: the utilisation differs
+
+    missing = get(hub, "admin", "admin/replay", params={"policies": "/no/such/folder"}, headers=BROWSER)
+    assert missing.status_code == 400 and "no policies folder" in missing.text and "<html" in missing.text
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "policy.yaml").write_text(POLICY["policy.yaml"].replace("count: 2", "count: two"))
+    refused = get(hub, "admin", "admin/replay", params={"policies": str(broken)})
+    assert refused.status_code == 400 and "policy.yaml:" in refused.json()["message"]
+    assert get(hub, "lena", "admin/replay", headers=BROWSER).status_code == 403
+
+
 def test_hub_metrics_has_the_queue_and_ledger_error_metrics(hub):
     metrics = requests.get(f"{hub.url}/hub/metrics", headers={"Authorization": f"token {token_of(hub, 'admin')}"},
                            timeout=30).text
@@ -445,6 +473,18 @@ def test_the_pages_in_a_browser(hub, browser):
     body = browse_as(hub, browser, "admin", "/services/accounting/admin")
     assert "All teams" in body and "Queue waits" in body and "vision" in body and "nlp" in body
     shots.append(shoot(browser, "admin"))
+    # What if: the page's link to a month replayed (followed by its address: it lies below the fold)
+    browser.get(browser.find_element(By.ID, "replay-link").get_attribute("href"))
+    browser.find_element(By.ID, "period").clear()
+    browser.find_element(By.ID, "period").send_keys(period_of(utcnow()))
+    browser.find_element(By.CSS_SELECTOR, "#replay-form button").click()
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(browser, 120).until(lambda b: "period=" in b.current_url)
+    body = WebDriverWait(browser, 60).until(lambda b: b.find_element(By.TAG_NAME, "body").text)
+    assert "replayed" in body and "(all)" in body and "Usage" in body, body  # the table, and the tabs still link
+    assert browser.find_element(By.LINK_TEXT, "Usage").get_attribute("href").endswith("/services/accounting/")
+    shots.append(shoot(browser, "admin-replay"))
 
     body = browse_as(hub, browser, "sam", "/hub/home")
     assert "You are in no team yet" in body and "Start My Server" not in body

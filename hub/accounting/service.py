@@ -154,8 +154,8 @@ class AccountingHandler(HubOAuthenticated, web.RequestHandler):
         tabs.append(("datasets", "Datasets", "datasets"))
         if viewer.admin:
             tabs.append(("admin", "All teams", "admin"))
-        # Pages under teams/ link relative to the service's root.
-        root = "../" if tab.startswith("team:") else ""
+        # Pages a folder down (teams/T, admin/replay) link relative to the service's root.
+        root = "../" if tab.startswith("team:") or values.pop("nested", False) else ""
         tabs = [(href if href.startswith("../") else root + href, label, key) for href, label, key in tabs]
         self.set_header("Content-Type", "text/html; charset=utf-8")
         self.finish(self.settings["templates"].get_template(template).render(
@@ -404,6 +404,54 @@ class AdminPageHandler(AccountingHandler):
             json_href="api/admin/report?" + urlencode({"period": period}))
 
 
+class AdminReplayHandler(AccountingHandler):
+    """Admins: a month's own usage (last month's by default) replayed under the current policies and, if asked,
+    under another policies folder of the server's: the table and the timelines of `gpupool replay`. Computed
+    off the event loop and kept (per month, policy files and ledger state) so a reload costs nothing."""
+
+    @web.authenticated
+    async def get(self):
+        from gpupool.hub import replay
+        from gpupool.hub.render import policy_files
+        from gpupool.policies import PolicyError, load_policy
+        from gpupool.spawner.volcano import policies_digest
+
+        self.admin_or_403()
+        this_month = periods.period_bounds(periods.period_of(periods.utcnow()))[0]
+        period = self.get_argument("period", periods.period_of(this_month - timedelta(days=1)))
+        try:
+            periods.parse_period(period)
+        except ValueError as error:
+            raise web.HTTPError(400, str(error)) from None
+        sets = {"current policies": self.settings["policy_dir"]}
+        against = self.get_argument("policies", "").strip()
+        if against:
+            if len(against) > 1000 or not Path(against).is_dir():
+                raise web.HTTPError(400, f"no policies folder {against[:200]!r} on the server: give a folder of "
+                                         "policy files (*.yaml) that the accounting service can read")
+            sets[against] = against
+        loaded, digests = {}, []
+        for name, folder in sets.items():
+            try:
+                loaded[name] = load_policy(folder)
+                digests.append(policies_digest(policy_files(Path(folder))))
+            except PolicyError as error:
+                raise web.HTTPError(400, error.report(Path(folder), "nothing was replayed")) from None
+        ledger_state = await asyncio.to_thread(self.ledger.intervals_overlapping, *periods.period_bounds(period))
+        key = (period, tuple(digests), tuple(sets), len(ledger_state), max((i.last_seen for i in ledger_state),
+                                                                         default=None))
+        cache = self.settings.setdefault("replay_cache", {})
+        if key not in cache:
+            work, summaries, runs = await asyncio.to_thread(replay.replay_usage, self.ledger, period, loaded)
+            cache.clear()  # one result kept: the page an admin is looking at
+            cache[key] = (len(work.jobs), replay.html_table(summaries), replay.timeline_charts(runs))
+        jobs, table, charts_ = cache[key]
+        name = period_name(period)
+        self.render_page("admin_replay.html", f"What if: {name} replayed", "admin", nested=True, period=period,
+                         period_name=name,
+                         against=against, jobs=jobs, table=Markup(table), charts=[Markup(c) for c in charts_])
+
+
 class TeamReportHandler(AccountingHandler):
     @web.authenticated
     def get(self, team: str):
@@ -598,6 +646,11 @@ OPENAPI = {
                        "top consumers, every team's totals", "parameters": [PERIOD, TOP]}},
         "/admin": {"get": {"summary": "Admins: the all-teams page with charts (HTML, inline SVG)",
                            "parameters": [PERIOD, TOP]}},
+        "/admin/replay": {"get": {"summary": "Admins: a month's usage (default: last month's) replayed under the "
+                                             "current policies and, with `policies`, under another folder of the "
+                                             "server's (HTML: the replay's table and timeline charts)",
+                                  "parameters": [PERIOD, {"name": "policies", "in": "query",
+                                                          "schema": {"type": "string"}}]}},
         "/teams/{team}": {"get": {"summary": "The team page with charts (HTML, inline SVG): a member's view for "
                                              "members, with each member's usage for leads and admins",
                                   "parameters": [PERIOD, TOP]}},
@@ -645,6 +698,7 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str, team_root: str, base_
             (prefix + "datasets", DatasetsPageHandler),
             (prefix + "api/admin/report", AdminReportHandler),
             (prefix + "admin", AdminPageHandler),
+            (prefix + "admin/replay", AdminReplayHandler),
             (prefix + r"teams/([^/]+)", TeamPageHandler),
             (prefix + "metrics", MetricsHandler),
             (prefix + "openapi.json", OpenAPIHandler),
