@@ -101,10 +101,13 @@ class Terminal:
             seen += message[1]
             found = re.search(rf"{marker}-(\d+)-{marker}", ANSI.sub("", seen))
             if found:
-                text = ANSI.sub("", seen)
-                output = text[:found.start()]
-                # drop the echoed command line itself
-                output = output.split(f"{marker}-$?-{marker}", 1)[-1]
+                output = ANSI.sub("", seen)[:found.start()]
+                # Drop the echoed command line itself: it names the marker ("echo M-$?-M"), the output never does.
+                # (Not by matching the line whole: the terminal's echo of a typed line may carry redraws.)
+                last = output.rfind(marker)
+                if last >= 0:
+                    end = output.find("\n", last)
+                    output = output[end + 1:] if end >= 0 else ""
                 return int(found.group(1)), output
 
     def close(self) -> None:
