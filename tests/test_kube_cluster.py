@@ -387,3 +387,65 @@ def test_a_real_hub_starts_a_notebook_pod_its_user_reaches_which_survives_a_hub_
             assert ledger.interval(held.key).how == HowEnded.STOPPED and ledger.open_intervals() == []
         finally:
             hub.stop()
+
+
+# --- the rendered PriorityClasses under a real scheduler ---------------------------------------------------------
+
+
+def quarter_pod(name: str, priority_class: str) -> dict:
+    """A 0.25 × H200 (HAMi) pod for the tiny node, at `priority_class`, as a deprioritized server's looks."""
+    gpu = {"nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "25", "nvidia.com/gpucores": "25"}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"schedulerName": kc.VOLCANO_STANDIN, "priorityClassName": priority_class,
+                     "nodeSelector": {"gpupool.io/test-node": "tiny"},
+                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                     "containers": [{"name": "notebook", "image": "quay.io/jupyterhub/singleuser:5.3",
+                                     "resources": {"limits": gpu, "requests": gpu}}]}}
+
+
+@pytest.mark.asyncio
+async def test_the_rendered_priority_classes_let_a_teams_notebook_preempt_deprioritized_work_and_not_back(
+        cluster, kubeconfig, reflectors, ledger, tmp_path):
+    """Work past its budget runs in `gpupool-deprioritized` (preemptionPolicy Never, lowest value): the real
+    scheduler's preemption (kube-scheduler's, standing in for Volcano's preempt action) evicts it for a
+    team's notebook that does not fit, and a deprioritized pod that does not fit pushes nobody out."""
+    policies = kube.policy_copy(tmp_path, queue_timeout=120)
+    cluster.kubectl("apply", "--server-side", "-f", "-",
+                    input=gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path))
+    # A node with room for two quarters (two of HAMi's vGPUs), that only this test's pods select.
+    tiny = {**kc.NODE_BASICS, "nvidia.com/gpu": "2", "nvidia.com/gpumem-percentage": "200",
+            "nvidia.com/gpucores": "200"}
+    cluster.add_node("tiny-h200", {"nvidia.com/gpu.product": "NVIDIA-H200", "gpupool.io/test-node": "tiny"}, tiny,
+                     [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}])
+    pods = f"{cluster.url}/api/v1/namespaces/{NAMESPACE}/pods"
+    session = cluster.api()
+    try:
+        for n in range(3):
+            assert session.post(pods, json=quarter_pod(f"over-budget-{n}", "gpupool-deprioritized"),
+                                timeout=10).status_code == 201
+            if n < 2:
+                kc._wait(f"over-budget-{n} running", lambda n=n: cluster.get(
+                    f"/api/v1/namespaces/{NAMESPACE}/pods/over-budget-{n}")["status"].get("phase") == "Running", 60)
+        # The third does not fit, and being deprioritized it preempts nobody: the scheduler says so and waits.
+        kc._wait("the third deprioritized pod to be found unschedulable", lambda: any(
+            c["type"] == "PodScheduled" and c["status"] == "False" for c in cluster.get(
+                f"/api/v1/namespaces/{NAMESPACE}/pods/over-budget-2")["status"].get("conditions", [])), 60)
+
+        config = real_spawner_config(policies, cluster)
+        config.GPUKubeSpawner.node_selector = {"gpupool.io/test-node": "tiny"}
+        spawner = kube.HubDB(config).spawner("alice", ("vision",))
+        await spawner._run_apply_user_options({"profile": "h200-quarter"})
+        await asyncio.wait_for(spawner.start(), 120)  # vision's notebook: it did not fit, and now it runs
+        notebook = cluster.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{spawner.pod_name}")
+        assert notebook["spec"]["nodeName"] == "tiny-h200" and notebook["spec"]["priority"] > 0
+        left = {p["metadata"]["name"]: p for p in session.get(pods, timeout=10).json()["items"]
+                if p["metadata"]["name"].startswith("over-budget-") and not p["metadata"].get("deletionTimestamp")}
+        # One of the two running deprioritized pods was preempted for it; the waiting one still waits.
+        assert sorted(left) in (["over-budget-0", "over-budget-2"], ["over-budget-1", "over-budget-2"]), sorted(left)
+        assert left["over-budget-2"]["status"]["phase"] == "Pending"
+        spawner._spawn_pending = spawner._start_pending = False
+        await asyncio.wait_for(spawner.stop(), 120)
+    finally:
+        for n in range(3):
+            session.delete(f"{pods}/over-budget-{n}", params={"gracePeriodSeconds": 0}, timeout=10)
+        cluster.kubectl("delete", "node", "tiny-h200", "--wait=false")
