@@ -41,24 +41,34 @@ def _team(args: argparse.Namespace) -> int:
     return getattr(up, "team_" + args.team_command.replace("-", "_"))(args)
 
 
-def _bill(args: argparse.Namespace) -> int:
+def _platform(args: argparse.Namespace, command: str) -> tuple[dict, str] | None:
+    """The platform's record (`hub.json`: its policies, its ledger) and its ledger's URL, for a command that reads
+    the ledger: `--ledger`, else `--state-dir`'s, else the platform `gpupool up` last started. None (said on
+    stderr) when there is none."""
     import json
 
-    from gpupool.hub.accounting.bills import bill_command
     from gpupool.hub.lifecycle import NoPlatform, find_state_dir
-    from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError, load_policy
     from gpupool.policies.defaults import ledger_url
 
     try:
-        # The platform's own policies and ledger: --state-dir, else the platform `gpupool up` last started.
         state = find_state_dir(args.state_dir, running=False) if args.state_dir or not args.ledger else None
     except NoPlatform as error:
-        print(f"gpupool bill: {error}, or --ledger", file=sys.stderr)
-        return 1
+        print(f"gpupool {command}: {error}, or --ledger", file=sys.stderr)
+        return None
     hub = json.loads((state / "hub.json").read_text()) if state and (state / "hub.json").exists() else {}
+    return hub, args.ledger or hub.get("ledger_url") or ledger_url(state)
+
+
+def _bill(args: argparse.Namespace) -> int:
+    from gpupool.hub.accounting.bills import bill_command
+    from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError, load_policy
+
+    found = _platform(args, "bill")
+    if found is None:
+        return 1
+    hub, ledger = found
     try:
         policy = load_policy(args.policies or hub.get("policies") or DEFAULT_POLICY_DIR)
-        ledger = args.ledger or hub.get("ledger_url") or ledger_url(state)
         print(bill_command(ledger, policy, args.team, args.period, args.format), end="")
     except (PolicyError, ValueError) as error:
         print(f"gpupool bill: {error}", file=sys.stderr)
@@ -67,20 +77,13 @@ def _bill(args: argparse.Namespace) -> int:
 
 
 def _usage_export(args: argparse.Namespace) -> int:
-    import json
-
     from gpupool.hub.accounting.export import usage_csv
     from gpupool.hub.accounting.ledger import Ledger
-    from gpupool.hub.lifecycle import NoPlatform, find_state_dir
-    from gpupool.policies.defaults import ledger_url
 
-    try:
-        state = find_state_dir(args.state_dir, running=False) if args.state_dir or not args.ledger else None
-    except NoPlatform as error:
-        print(f"gpupool usage export: {error}, or --ledger", file=sys.stderr)
+    found = _platform(args, "usage export")
+    if found is None:
         return 1
-    hub = json.loads((state / "hub.json").read_text()) if state and (state / "hub.json").exists() else {}
-    ledger = Ledger(args.ledger or hub.get("ledger_url") or ledger_url(state), migrate=False)
+    ledger = Ledger(found[1], migrate=False)
     try:
         text = usage_csv(ledger, args.period)
     except ValueError as error:
