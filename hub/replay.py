@@ -931,7 +931,7 @@ def replay_usage(ledger, period: str, policies: dict[str, Policy], now: datetime
     `policies` (name → policy) on its own inventory: the workload, the summaries and the runs (with their
     timelines). Blocking (SQL, then the replays): from a thread in a service."""
     start, end = periods.period_bounds(period)
-    rows = usage_rows(ledger.intervals_overlapping(start, end), now or periods.utcnow())
+    rows = usage_rows(ledger.intervals_overlapping(start, end), now or periods.utcnow(), (start, end))
     work = usage_workload(rows, f"the ledger's runs of {period}")
     runs = {name: replay(work, policy, cards=pool_cards(policy), timeline_points=TIMELINE_POINTS)
             for name, policy in policies.items()}

@@ -451,6 +451,15 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
             self.__class__.reflectors[key] = reflector
             try:
                 await reflector.start()
+            except asyncio.CancelledError:
+                # This spawn's wait ended during the first list: the reflector is not left half-started for the
+                # next spawns, which would wait on its first load for ever.
+                self.__class__.reflectors.pop(key, None)
+                if not reflector.first_load_future.done():
+                    cancelled = RuntimeError(f"the {kind} reflector's start was cancelled")
+                    reflector.first_load_future.set_exception(cancelled)
+                    reflector.first_load_future.exception()  # seen: whoever waits on it gets it
+                raise
             # Anything: Volcano's CRD missing or no RBAC (KubeSpawner's reflector then fails in its own error
             # logging, not with an ApiException). Queue details are a comfort, the spawn goes on without them.
             except Exception as error:  # noqa: BLE001

@@ -101,8 +101,9 @@ class Availability:
         if not self.profiles:
             return ""
         # Refreshed while the page is open: the same page fetched again, only its availability lines replaced
-        # (the user's choice in the form is left as it is).
-        return ("<script>setInterval(function(){fetch(window.location.href,{credentials:'same-origin'})"
+        # (the user's choice in the form is left as it is). Without the query: JupyterHub's spawn page starts a
+        # server when its query carries options.
+        return ("<script>setInterval(function(){fetch(window.location.pathname,{credentials:'same-origin'})"
                 ".then(function(r){return r.ok?r.text():null}).then(function(t){if(!t)return;"
                 "var d=new DOMParser().parseFromString(t,'text/html');"
                 "document.querySelectorAll('.gpupool-availability').forEach(function(e){"

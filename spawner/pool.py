@@ -492,6 +492,9 @@ class LocalPool:
 
         Blocking (reads the allocation store and the ledger): call it from a thread, not the event loop.
         """
+        if self.restoring:  # requests from before a hub restart come first, and some are not back yet
+            return {request.key: Outcome(request.key, "wait", Reason.RESTART_ORDER,
+                                         "requests queued before the hub restarted come first") for request in asked}
         used = self.store.used()
         holdings = self.holdings()
         pending = [(t.request, t.seq) for t in list(self.waiting.values()) if not t.future.done()]

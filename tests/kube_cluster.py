@@ -22,7 +22,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -54,6 +53,8 @@ def missing_tools() -> str | None:
     """Why the cluster cannot start here, or None: the binaries `make kube-tools` builds."""
     bin_dir = tools_dir() / "bin"
     absent = [name for name in BINARIES if not (bin_dir / name).is_file()]
+    if not (tools_dir() / "kwok-stages" / ".complete").is_file():
+        absent.append("KWOK's stages")
     if absent:
         return f"the Kubernetes control plane is not built ({', '.join(absent)} missing in {bin_dir}): run make kube-tools"
     if not VOLCANO_CRDS.is_dir():
@@ -62,9 +63,11 @@ def missing_tools() -> str | None:
 
 
 def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free port outside the kernel's ephemeral range (the harness's rule): a port from that range could be
+    taken by any outgoing connection before the component binds it."""
+    from gpupool.hub.harness import free_port_block
+
+    return free_port_block(1)
 
 
 def _wait(what: str, ready, timeout: float, process: subprocess.Popen | None = None, log: Path | None = None):
@@ -165,17 +168,17 @@ class KubeCluster:
         self.stages = tools_dir() / "kwok-stages"
         self.processes: dict[str, subprocess.Popen] = {}
         self.token = secrets.token_hex(16)
-        self.port = _free_port()
-        self.url = f"https://127.0.0.1:{self.port}"
+        self.port = 0  # picked as it starts
+        self.url = ""
         self.kubeconfig = base / "kubeconfig"
         self.ca = base / "certs" / "apiserver.crt"  # written by kube-apiserver at start (self-signed, with its CA)
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
     def _run(self, name: str, *args: str) -> subprocess.Popen:
-        log = self.base / f"{name}.log"
-        process = subprocess.Popen([str(self.bin / name.split(":")[0]), *args], stdout=log.open("wb"),
-                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        with (self.base / f"{name}.log").open("wb") as log:
+            process = subprocess.Popen([str(self.bin / name.split(":")[0]), *args], stdout=log,
+                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         self.processes[name] = process
         return process
 
@@ -196,6 +199,8 @@ class KubeCluster:
         key = self.base / "sa.key"
         subprocess.run(["openssl", "genrsa", "-out", str(key), "2048"], check=True, capture_output=True)
         (self.base / "tokens.csv").write_text(f'{self.token},admin,admin,"system:masters"\n')
+        self.port = _free_port()
+        self.url = f"https://127.0.0.1:{self.port}"
         apiserver = self._run(
             "kube-apiserver", "--etcd-servers", f"http://127.0.0.1:{etcd_port}",
             "--bind-address", "127.0.0.1", "--advertise-address", "127.0.0.1", "--secure-port", str(self.port),
@@ -326,28 +331,36 @@ class PodProcesses:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(10)
+        self._thread.join()  # its rounds are bounded (10 s requests, 10 s ends): then nothing else touches the dict
         for _, process in self.processes.values():
             _end(process)
 
     def _run(self) -> None:
         session = self.cluster.api()
         while not self._stop.wait(0.2):
-            with contextlib.suppress(requests.RequestException, ValueError):
-                pods = session.get(f"{self.cluster.url}/api/v1/namespaces/{self.namespace}/pods", timeout=10).json()
-                running = {}
-                for pod in pods.get("items", []):
-                    uid, status = pod["metadata"]["uid"], pod.get("status") or {}
-                    if status.get("phase") == "Running" and status.get("podIP") and not pod["metadata"].get(
-                            "deletionTimestamp"):
-                        running[uid] = pod
-                for uid, (name, process) in list(self.processes.items()):
-                    if uid not in running:
-                        _end(process)
-                        del self.processes[uid]
-                for uid, pod in running.items():
-                    if uid not in self.processes:
-                        self.processes[uid] = (pod["metadata"]["name"], self._start(pod))
+            try:
+                self._round(session)
+            except Exception as error:  # noqa: BLE001 - said, and the next round tries again
+                print(f"PodProcesses: {type(error).__name__}: {error}", flush=True)
+
+    def _round(self, session: requests.Session) -> None:
+        try:
+            pods = session.get(f"{self.cluster.url}/api/v1/namespaces/{self.namespace}/pods", timeout=10).json()
+        except (requests.RequestException, ValueError):
+            return  # the API server busy or going: the next round
+        running = {}
+        for pod in pods.get("items", []):
+            uid, status = pod["metadata"]["uid"], pod.get("status") or {}
+            if status.get("phase") == "Running" and status.get("podIP") and not pod["metadata"].get(
+                    "deletionTimestamp"):
+                running[uid] = pod
+        for uid, (_, process) in list(self.processes.items()):
+            if uid not in running:
+                _end(process)
+                del self.processes[uid]
+        for uid, pod in running.items():
+            if uid not in self.processes:
+                self.processes[uid] = (pod["metadata"]["name"], self._start(pod))
 
     def _start(self, pod: dict) -> subprocess.Popen:
         container = pod["spec"]["containers"][0]
@@ -361,9 +374,9 @@ class PodProcesses:
         command = [*(container.get("command") or []), *(container.get("args") or [])]
         if os.getuid() == 0:
             command.append("--allow-root")
-        log = (self.workdir / f"{pod['metadata']['name']}.log").open("ab")
-        return subprocess.Popen(command, env=env, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        with (self.workdir / f"{pod['metadata']['name']}.log").open("ab") as log:
+            return subprocess.Popen(command, env=env, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def _end(process: subprocess.Popen) -> None:

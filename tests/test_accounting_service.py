@@ -226,8 +226,9 @@ def test_admin_replays_a_months_usage_under_the_current_and_another_policies_fol
     assert jobs == 7  # alice's and lena's runs (the 0 s ones too) and nadia's, still running: every run billed
     assert re.search(r"<td>current policies</td><td>\(all\)</td><td class=\"num\">7</td>", page.text)
 
-    bigger = tmp_path / "bigger"
-    bigger.mkdir()
+    beside = hub.policies.parent  # an admin's other policy sets lie beside the platform's own
+    bigger = beside / "bigger"
+    bigger.mkdir(exist_ok=True)
     (bigger / "policy.yaml").write_text(POLICY["policy.yaml"].replace("count: 2", "count: 8"))
     both = get(hub, "admin", "admin/replay", params={"period": period, "policies": str(bigger)}, headers=BROWSER)
     assert both.status_code == 200 and both.text.count('<svg role="img"') == 2
@@ -236,8 +237,20 @@ def test_admin_replays_a_months_usage_under_the_current_and_another_policies_fol
 
     missing = get(hub, "admin", "admin/replay", params={"policies": "/no/such/folder"}, headers=BROWSER)
     assert missing.status_code == 400 and "no policies folder" in missing.text and "<html" in missing.text
-    broken = tmp_path / "broken"
-    broken.mkdir()
+    # Not any folder of the server, nor a link out of the folder beside: the page reads policies, not any YAML.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "policy.yaml").write_text("secret: not a policy\n")
+    sneaky = beside / "sneaky"
+    sneaky.mkdir(exist_ok=True)
+    (sneaky / "policy.yaml").unlink(missing_ok=True)
+    (sneaky / "policy.yaml").symlink_to(elsewhere / "policy.yaml")
+    for folder in (elsewhere, sneaky):
+        refused = get(hub, "admin", "admin/replay", params={"policies": str(folder)})
+        assert refused.status_code == 400 and "beside the platform's own" in refused.json()["message"], refused.text
+        assert "secret" not in refused.text
+    broken = beside / "broken"
+    broken.mkdir(exist_ok=True)
     (broken / "policy.yaml").write_text(POLICY["policy.yaml"].replace("count: 2", "count: two"))
     refused = get(hub, "admin", "admin/replay", params={"policies": str(broken)})
     assert refused.status_code == 400 and "policy.yaml:" in refused.json()["message"]

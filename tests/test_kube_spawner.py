@@ -774,6 +774,34 @@ async def test_a_wait_cancelled_before_the_first_load_leaves_the_shared_reflecto
 
 
 @pytest.mark.asyncio
+async def test_a_spawn_cancelled_while_its_reflector_starts_leaves_none_half_started(cluster, tmp_path):
+    hub = HubDB(spawner_config(EXAMPLES, cluster.url))
+    spawner = hub.spawner("alice", ("vision",))
+    listing = asyncio.Event()
+
+    class SlowReflector:  # a double of a reflector whose first list does not come back
+        def __init__(self, **kwargs):
+            self.first_load_future = asyncio.get_running_loop().create_future()
+
+        async def start(self):
+            listing.set()
+            await asyncio.Event().wait()
+
+    key = spawner._get_reflector_key("podgroups")
+    first = asyncio.ensure_future(spawner._gpupool_reflector("podgroups", SlowReflector))
+    await listing.wait()
+    half = GPUKubeSpawner.reflectors[key]
+    first.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await first
+    try:
+        assert key not in GPUKubeSpawner.reflectors  # the next spawn starts a reflector of its own
+        assert isinstance(half.first_load_future.exception(), RuntimeError)  # and nobody waits on this one for ever
+    finally:
+        GPUKubeSpawner.reflectors.pop(key, None)
+
+
+@pytest.mark.asyncio
 async def test_bad_choices_are_refused_with_400_before_any_api_call(cluster, tmp_path):
     hub = HubDB(spawner_config(EXAMPLES, cluster.url))
     spawner = hub.spawner("alice", ("vision",))

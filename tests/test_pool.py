@@ -267,6 +267,11 @@ def test_a_preview_says_what_the_queue_would_do_and_changes_nothing(store):
         (previewed,) = (await asyncio.to_thread(pool.preview, [request(4)])).values()
         assert previewed.action == "wait"  # both cards whole-held now, the quarter still waiting ahead
         quarter.cancel()
+        # After a hub restart, until the requests that waited before it are back, every new one waits for them.
+        pool.restoring = {"user9/": object()}
+        (previewed,) = (await asyncio.to_thread(pool.preview, [request(5)])).values()
+        assert (previewed.action, previewed.code) == ("wait", Reason.RESTART_ORDER)
+        pool.restoring = {}
 
     run(scenario())
 

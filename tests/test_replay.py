@@ -263,6 +263,20 @@ def test_the_platforms_own_history_is_exported_and_replayed(tmp_path):
         "2026-11-02T09:30:00Z,2026-11-02T09:30:00Z,2026-11-02T10:30:00Z,bob,vision,h200,H200,1,job,stopped",
     ]
 
+    # A run across the end of the month is counted in each month for its part, as the bills count it.
+    ledger = Ledger(url)
+    late = datetime(2026, 11, 30, 23, 0, tzinfo=timezone.utc)
+    ledger.keep_run("dave/@1", "dave", "vision", "h200", "H200", Fraction(1), late, late)
+    ledger.close_run("dave/@1", late + timedelta(hours=2), "stopped")
+    ledger.dispose()
+    for period, expected in (("2026-11", "2026-11-30T23:00:00Z,2026-11-30T23:00:00Z,2026-12-01T00:00:00Z,dave,"
+                                          "vision,h200,H200,1,server,running"),
+                             ("2026-12", "2026-12-01T00:00:00Z,2026-12-01T00:00:00Z,2026-12-01T01:00:00Z,dave,"
+                                          "vision,h200,H200,1,server,stopped")):
+        done = subprocess.run([sys.executable, "-m", "gpupool.hub.cli", "usage", "export", "--period", period,
+                               "--ledger", url], capture_output=True, text=True, cwd=elsewhere)
+        assert done.returncode == 0 and expected in done.stdout.splitlines(), done.stdout + done.stderr
+
     policies = tmp_path / "policies"
     policies.mkdir()
     (policies / "policy.yaml").write_text(

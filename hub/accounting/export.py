@@ -1,9 +1,10 @@
 """`gpupool usage export`: the ledger's usage of a period as a workload that `gpupool replay` reads back.
 
-One row per run of a server or a job (the ledger splits a run at period boundaries and continues it after a
-stale close; those pieces are joined again): when it was asked for (`arrival`: its start less its queue
-wait), when it ran, who, on what, and how it ended. Reserved holdings that never ran are not usage and are left
-out; a run still going ends at the export's time, with `how` = `running`.
+One row per run of a server or a job (a run continued after a stale close is several intervals of the ledger:
+they are joined again): when it was asked for (`arrival`: its start less its queue wait), when it ran, who, on
+what, and how it ended, clipped to the period as its bill counts it (a run from the month before starts at the
+period's first instant, one going on past its end ends there). Reserved holdings that never ran are not usage
+and are left out; a run still going ends at the export's time, with `how` = `running`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ def _iso(moment: datetime) -> str:
     return periods.ensure_utc(moment).isoformat().replace("+00:00", "Z")
 
 
-def usage_rows(intervals: Iterable[Interval], now: datetime) -> list[dict[str, str]]:
-    """The runs of `intervals` as rows of `USAGE_HEADER`, in order of arrival."""
+def usage_rows(intervals: Iterable[Interval], now: datetime, within: tuple[datetime, datetime] | None = None
+               ) -> list[dict[str, str]]:
+    """The runs of `intervals` as rows of `USAGE_HEADER`, in order of arrival; with `within` ([start, end)),
+    each clipped to it, as a bill counts it."""
     runs: dict[str, list[Interval]] = {}
     for interval in intervals:
         if not interval.is_reserved:
@@ -34,11 +37,15 @@ def usage_rows(intervals: Iterable[Interval], now: datetime) -> list[dict[str, s
         pieces.sort(key=lambda i: i.start)
         first, last = pieces[0], max(pieces, key=lambda i: i.end or now)
         still = any(i.end is None for i in pieces)
-        end = now if still else last.end
+        start, end = first.start, now if still else last.end
+        arrival = start - (first.queue_wait or timedelta(0))
+        if within is not None:
+            arrival, start = max(within[0], arrival), max(within[0], start)
+            still, end = still or end > within[1], min(end, within[1])  # it ran on past the period's end
         rows.append({
-            "arrival": _iso(first.start - (first.queue_wait or timedelta(0))), "start": _iso(first.start),
-            "end": _iso(end), "user": first.user, "team": first.team, "profile": first.profile, "model": first.model,
-            "share": str(first.share), "kind": first.kind, "how": "running" if still else (last.how or ""),
+            "arrival": _iso(arrival), "start": _iso(start), "end": _iso(end), "user": first.user,
+            "team": first.team, "profile": first.profile, "model": first.model, "share": str(first.share),
+            "kind": first.kind, "how": "running" if still else (last.how or ""),
         })
     rows.sort(key=lambda r: (r["arrival"], r["start"], r["user"]))
     return rows
@@ -51,5 +58,5 @@ def usage_csv(ledger: Ledger, period: str, now: datetime | None = None) -> str:
     out = io.StringIO()
     writer = csv.DictWriter(out, USAGE_HEADER, lineterminator="\n")
     writer.writeheader()
-    writer.writerows(usage_rows(ledger.intervals_overlapping(start, end), now))
+    writer.writerows(usage_rows(ledger.intervals_overlapping(start, end), now, (start, end)))
     return out.getvalue()

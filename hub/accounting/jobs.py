@@ -420,7 +420,7 @@ class JobStore:
         with self._writer.begin() as connection:
             connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state.in_(("queued", "restarting")),
                                                    JOBS.c.cancel_requested.is_(False))
-                               .values(state="suspended", not_before=None,
+                               .values(state="suspended",
                                        reason="suspended by its user: resumes from its last checkpoint when resumed"))
             connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state == "running",
                                                    JOBS.c.cancel_requested.is_(False))
@@ -428,14 +428,11 @@ class JobStore:
         return self.get(job_id)
 
     def resume(self, job_id: str, at: datetime) -> Job | None:
-        """A suspended job goes back to the queue, at its place; a running one whose suspend was asked for
-        and not yet done keeps running."""
+        """A suspended job goes back to the queue at its place (a failed run's back-off, if it is not over, still
+        applies). A job whose run is being stopped for a suspend is not suspended yet: it stays as it is."""
         with self._writer.begin() as connection:
-            connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state == "suspended")
-                               .values(state="queued", reason="in queue (resumed)"))
-            connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state == "running",
-                                                   JOBS.c.suspend_requested.is_(True))
-                               .values(suspend_requested=False, reason="running"))
+            connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state == "suspended").values(
+                state=sa.case((JOBS.c.not_before > at, "restarting"), else_="queued"), reason="in queue (resumed)"))
         return self.get(job_id)
 
 

@@ -104,7 +104,10 @@ class JobsHandler(AccountingHandler):
         return self.store.suspend(job.id, periods.utcnow())
 
     def resume(self, job: Job) -> Job:
-        if job.state != "suspended" and not job.suspend_requested:
+        if job.state == "running" and job.suspend_requested:
+            raise web.HTTPError(409, f"job {job.id} is being suspended (its run is stopping): resume it once it "
+                                     "is suspended")
+        if job.state != "suspended":
             raise web.HTTPError(409, f"job {job.id} is {job.state}, not suspended: nothing to resume")
         return self.store.resume(job.id, periods.utcnow())
 

@@ -404,6 +404,31 @@ class AdminPageHandler(AccountingHandler):
             json_href="api/admin/report?" + urlencode({"period": period}))
 
 
+def _policy_sets(sets: dict[str, Path], own: Path) -> tuple[dict[str, Policy], list[str]]:
+    """Each policy set of `sets` loaded, and the digests of their files; ValueError saying what is wrong. A folder
+    other than the platform's own must lie beside it (in its parent folder), files and links resolved: the page
+    reads policies, not any YAML of the server."""
+    from gpupool.hub.render import policy_files
+    from gpupool.policies import PolicyError, load_policy
+    from gpupool.spawner.volcano import policies_digest
+
+    root = own.resolve().parent
+    loaded, digests = {}, []
+    for name, folder in sets.items():
+        if folder != own:
+            inside = folder.resolve()
+            if (len(name) > 1000 or not inside.is_dir() or not inside.is_relative_to(root) or inside == root
+                    or any(not f.resolve().is_relative_to(inside) for f in inside.iterdir())):
+                raise ValueError(f"no policies folder {name[:200]!r} beside the platform's own: give a folder of "
+                                 f"policy files (*.yaml) in {root}, such as {root / 'policies-next'}")
+        try:
+            loaded[name] = load_policy(folder)
+            digests.append(policies_digest(policy_files(folder)))
+        except PolicyError as error:
+            raise ValueError(error.report(folder, "nothing was replayed")) from None
+    return loaded, digests
+
+
 class AdminReplayHandler(AccountingHandler):
     """Admins: a month's own usage (last month's by default) replayed under the current policies and, if asked,
     under another policies folder of the server's: the table and the timelines of `gpupool replay`. Computed
@@ -412,9 +437,6 @@ class AdminReplayHandler(AccountingHandler):
     @web.authenticated
     async def get(self):
         from gpupool.hub import replay
-        from gpupool.hub.render import policy_files
-        from gpupool.policies import PolicyError, load_policy
-        from gpupool.spawner.volcano import policies_digest
 
         self.admin_or_403()
         this_month = periods.period_bounds(periods.period_of(periods.utcnow()))[0]
@@ -423,27 +445,23 @@ class AdminReplayHandler(AccountingHandler):
             periods.parse_period(period)
         except ValueError as error:
             raise web.HTTPError(400, str(error)) from None
-        sets = {"current policies": self.settings["policy_dir"]}
+        own = Path(self.settings["policy_dir"])
+        sets = {"current policies": own}
         against = self.get_argument("policies", "").strip()
         if against:
-            if len(against) > 1000 or not Path(against).is_dir():
-                raise web.HTTPError(400, f"no policies folder {against[:200]!r} on the server: give a folder of "
-                                         "policy files (*.yaml) that the accounting service can read")
-            sets[against] = against
-        loaded, digests = {}, []
-        for name, folder in sets.items():
-            try:
-                loaded[name] = load_policy(folder)
-                digests.append(policies_digest(policy_files(Path(folder))))
-            except PolicyError as error:
-                raise web.HTTPError(400, error.report(Path(folder), "nothing was replayed")) from None
-        ledger_state = await asyncio.to_thread(self.ledger.intervals_overlapping, *periods.period_bounds(period))
-        key = (period, tuple(digests), tuple(sets), len(ledger_state), max((i.last_seen for i in ledger_state),
-                                                                         default=None))
+            sets[against] = Path(against)
+        try:  # off the event loop: folders and files, then the ledger
+            loaded, digests = await asyncio.to_thread(_policy_sets, sets, own)
+        except ValueError as error:
+            raise web.HTTPError(400, str(error)) from None
+        state = await asyncio.to_thread(self.ledger.intervals_overlapping, *periods.period_bounds(period))
+        key = (period, tuple(sets), tuple(digests),
+               hash(tuple((i.key, i.end, i.how, i.last_seen, i.state) for i in state)))
         cache = self.settings.setdefault("replay_cache", {})
         if key not in cache:
             work, summaries, runs = await asyncio.to_thread(replay.replay_usage, self.ledger, period, loaded)
             cache.clear()  # one result kept: the page an admin is looking at
+            # (the charts are drawn here, on the loop: matplotlib's settings are process-wide)
             cache[key] = (len(work.jobs), replay.html_table(summaries), replay.timeline_charts(runs))
         jobs, table, charts_ = cache[key]
         name = period_name(period)

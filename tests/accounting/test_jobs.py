@@ -190,14 +190,25 @@ def test_a_running_job_suspended_is_held_after_its_run_ends_and_the_suspend_neve
     assert resumed.state == "queued" and store.start_run(job.id, T0 + timedelta(minutes=4)).attempt == 2
 
 
-def test_a_suspend_taken_back_before_the_run_stopped_leaves_it_running(store, jobs_policy):
+def test_a_running_job_being_suspended_is_not_resumed_until_it_is_suspended(store, jobs_policy):
     job = submit(store, jobs_policy)
     store.start_run(job.id, T0)
-    store.suspend(job.id, T0 + timedelta(minutes=1))
-    kept = store.resume(job.id, T0 + timedelta(minutes=1))
-    assert (kept.state, kept.suspend_requested) == ("running", False)
-    store.end_run(job.id, 1, Ended(Event.FAILED, 1), T0 + timedelta(minutes=2), jobs_policy)
-    assert store.get(job.id).restarts == 1  # a real failure after all counts
+    marked = store.suspend(job.id, T0 + timedelta(minutes=1))
+    assert store.resume(job.id, T0 + timedelta(minutes=1)) == marked  # its run is still stopping
+    store.end_run(job.id, 1, Ended(Event.SUSPENDED, -15), T0 + timedelta(minutes=2), jobs_policy)
+    assert store.resume(job.id, T0 + timedelta(minutes=3)).state == "queued"
+
+
+def test_a_job_suspended_in_its_back_off_still_waits_for_the_rest_of_it(store, jobs_policy):
+    job = submit(store, jobs_policy)
+    store.start_run(job.id, T0)
+    store.end_run(job.id, 1, Ended(Event.FAILED, 1), T0, jobs_policy)  # back-off: 10 s (the policy's)
+    assert store.get(job.id).state == "restarting"
+    store.suspend(job.id, T0 + timedelta(seconds=1))
+    resumed = store.resume(job.id, T0 + timedelta(seconds=2))
+    assert (resumed.state, resumed.not_before) == ("restarting", T0 + timedelta(seconds=10))
+    assert store.waiting(T0 + timedelta(seconds=5), priority_order(jobs_policy)) == []
+    assert [j.id for j in store.waiting(T0 + timedelta(seconds=10), priority_order(jobs_policy))] == [job.id]
 
 
 def test_a_cancel_wins_over_a_suspend_and_an_ended_job_is_neither(store, jobs_policy):
