@@ -377,8 +377,8 @@ def test_the_jobs_page_lists_a_job_and_its_cancel_button_cancels_it(hub):
     listing = browser.get(f"{hub.url}/services/jobs/", timeout=60)  # through the hub's OAuth, as a browser
     assert listing.status_code == 200 and "Training jobs" in listing.text and f'data-job="{job["id"]}"' in listing.text
     page = browser.get(f"{hub.url}/services/jobs/jobs/{job['id']}", timeout=60)
-    assert page.status_code == 200 and 'id="cancel"' in page.text
-    (xsrf,) = re.findall(r'name="_xsrf" value="([^"]+)"', page.text)
+    assert page.status_code == 200 and 'id="cancel"' in page.text and 'id="suspend"' in page.text
+    (xsrf,) = set(re.findall(r'name="_xsrf" value="([^"]+)"', page.text))  # one token, in each of its forms
     cancel = f"{hub.url}/services/jobs/jobs/{job['id']}/cancel"
     assert browser.post(cancel, timeout=60, allow_redirects=False).status_code == 403  # no _xsrf: refused
     assert carol.get(job["id"])["state"] == "running"
