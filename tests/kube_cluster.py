@@ -62,12 +62,13 @@ def missing_tools() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    """A free port outside the kernel's ephemeral range (the harness's rule): a port from that range could be
-    taken by any outgoing connection before the component binds it."""
+def _free_ports(n: int = 1) -> int:
+    """The first of `n` consecutive free ports outside the kernel's ephemeral range (the harness's rule: a port
+    from that range could be taken by any outgoing connection before the component binds it). Ports one
+    component binds together are picked together, so no two of them can be the same."""
     from gpupool.hub.harness import free_port_block
 
-    return free_port_block(1)
+    return free_port_block(n)
 
 
 def _wait(what: str, ready, timeout: float, process: subprocess.Popen | None = None, log: Path | None = None):
@@ -184,14 +185,15 @@ class KubeCluster:
 
     def start(self) -> KubeCluster:
         began = time.monotonic()
-        etcd_port, peer_port = _free_port(), _free_port()
+        etcd_port = _free_ports(3)
+        peer_port, metrics_port = etcd_port + 1, etcd_port + 2
         etcd = self._run("etcd", "--data-dir", str(self.base / "etcd"), "--unsafe-no-fsync",
                          "--listen-client-urls", f"http://127.0.0.1:{etcd_port}",
                          "--advertise-client-urls", f"http://127.0.0.1:{etcd_port}",
                          "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
                          "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
                          "--initial-cluster", f"default=http://127.0.0.1:{peer_port}",
-                         "--listen-metrics-urls", f"http://127.0.0.1:{_free_port()}", "--log-level", "warn")
+                         "--listen-metrics-urls", f"http://127.0.0.1:{metrics_port}", "--log-level", "warn")
         _wait("etcd", lambda: requests.get(f"http://127.0.0.1:{etcd_port}/health", timeout=2).ok, 30,
               etcd, self.base / "etcd.log")
 
@@ -199,7 +201,7 @@ class KubeCluster:
         key = self.base / "sa.key"
         subprocess.run(["openssl", "genrsa", "-out", str(key), "2048"], check=True, capture_output=True)
         (self.base / "tokens.csv").write_text(f'{self.token},admin,admin,"system:masters"\n')
-        self.port = _free_port()
+        self.port = _free_ports()  # etcd's are bound by now: no collision with them
         self.url = f"https://127.0.0.1:{self.port}"
         apiserver = self._run(
             "kube-apiserver", "--etcd-servers", f"http://127.0.0.1:{etcd_port}",
@@ -241,7 +243,7 @@ class KubeCluster:
                   ",".join(f"{k}={v}" for k, v in FAKE_NODE.items()),
                   # pods get loopback addresses: a server the tests run for a pod (PodProcesses) is reachable there
                   "--node-ip", "127.0.0.1", "--cidr", "127.244.0.1/16",
-                  "--node-lease-duration-seconds", "40", "--server-address", f"127.0.0.1:{_free_port()}")
+                  "--node-lease-duration-seconds", "40", "--server-address", f"127.0.0.1:{_free_ports()}")
 
         self.kubectl("apply", "--server-side", "-f", str(VOLCANO_CRDS))
         _wait("Volcano's CRDs", lambda: all(
