@@ -27,7 +27,7 @@ import sqlalchemy as sa
 import torch
 
 from gpupool.hub.accounting.ledger import INTERVALS, Ledger
-from gpupool.hub.harness import Hub, platform_command
+from gpupool.hub.harness import Hub, Terminal, platform_command
 
 HERE = Path(__file__).resolve().parent
 POLICY = {
@@ -44,9 +44,11 @@ profiles:
   cpu: {display_name: CPU only, teams: [vision, other]}
 """,
     "billing.yaml": "billing: {prices: {H200: '3.20'}}\n",
+    # A save on SIGTERM fsyncs its files: on a machine busy writing (a pip install beside the tests) that took
+    # over 60 s once, and the SIGKILL at the end of the grace period lost it. No test here waits for the grace.
     "jobs.yaml": """
 jobs:
-  grace_seconds: 60
+  grace_seconds: 240
   restarts: {max_restarts: 2, backoff_seconds: 1, max_backoff_seconds: 2, never_retry_exit_codes: [2]}
 """,
 }
@@ -308,6 +310,27 @@ def test_an_mlflow_run_made_inside_a_job_is_tagged_with_that_jobs_gpu_hours_and_
     finally:
         hub.kill()
         _kill_leftovers(hub)
+
+
+def test_a_job_submitted_in_a_jupyterlab_terminal_runs_and_its_log_is_followed_there(hub):
+    # The person's path: a server, its JupyterLab terminal (as JupyterLab drives it), and `gpupool jobs` with no
+    # set-up: the server's own token and the hub's address are in the terminal's environment.
+    hub.add_user("dora", "vision")
+    assert hub.api("POST", "/users/dora/server", json={"profile": "cpu"}).status_code in (201, 202)
+    hub.wait_ready("dora", timeout=240)
+    terminal = Terminal(hub.url, "dora", hub.user_token("dora"), timeout=300)
+    try:
+        submitted = terminal.check("cd $(mktemp -d) && gpupool jobs submit --profile cpu --json -- python -c "
+                                   "\"print('hello from a job', flush=True)\" | python -c "
+                                   "'import json, sys; print(\"JOB=\" + json.load(sys.stdin)[\"id\"])'")
+        job_id = re.findall(r"JOB=([0-9a-f]{12})", submitted)[-1]
+        followed = terminal.check(f"gpupool jobs logs {job_id} --follow", timeout=240)
+        assert "hello from a job" in followed.split(f"logs {job_id} --follow", 1)[-1], followed
+        shown = terminal.check(f"gpupool jobs show {job_id}")
+        assert "succeeded" in shown.split(f"show {job_id}", 1)[-1], shown
+    finally:
+        terminal.close()
+        hub.stop_server("dora", timeout=120)
 
 
 def test_failures_cancels_a_hub_restart_and_other_teams(hub, tmp_path):
