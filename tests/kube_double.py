@@ -16,7 +16,9 @@ from datetime import UTC, datetime
 
 import kmock
 from gpupool.spawner import podgroups
-from kubernetes_asyncio.client import ApiClient, CoreV1Api, CustomObjectsApi
+from kubernetes_asyncio.client import ApiClient, Configuration, CoreV1Api, CustomObjectsApi
+from kubespawner import KubeSpawner
+from kubespawner.clients import load_config
 
 NAMESPACE = "gpupool-test"
 PODGROUPS = (podgroups.GROUP, podgroups.VERSION)
@@ -124,6 +126,16 @@ class KubernetesAPIDouble(kmock.KubernetesEmulator):
                     yield event
         finally:
             await bus.unmark(mark)
+
+
+async def forget_kube_clients() -> None:
+    """What KubeSpawner keeps for the life of a hub process, forgotten between tests that each serve an API at a
+    port of their own: its class-level reflectors (bound to one event loop) and the client configuration.
+    `load_config` is cached per host and sets the process-wide default only on a miss, so a test whose port an
+    earlier test had used would otherwise be sent to the port of the test just before it."""
+    await KubeSpawner._stop_all_reflectors()
+    load_config.cache_clear()
+    Configuration.set_default(None)
 
 
 def rfc3339(moment: datetime) -> str:

@@ -242,9 +242,9 @@ def kubeconfig(cluster, monkeypatch):
 
 @pytest_asyncio.fixture
 async def reflectors():
-    await KubeSpawner._stop_all_reflectors()
+    await kube.forget_kube_clients()
     yield
-    await KubeSpawner._stop_all_reflectors()
+    await kube.forget_kube_clients()
 
 
 @pytest.fixture

@@ -39,7 +39,7 @@ from gpupool.spawner.kube import (
 )
 from gpupool.spawner.usage import get_ledger
 from jupyterhub import orm
-from kube_double import NAMESPACE, PODGROUPS, Cluster, KubernetesAPIDouble, rfc3339
+from kube_double import NAMESPACE, PODGROUPS, Cluster, KubernetesAPIDouble, forget_kube_clients, rfc3339
 from jupyterhub.objects import Hub, Server
 from jupyterhub.spawner import SpawnException
 from jupyterhub.user import User
@@ -74,10 +74,11 @@ def kubeconfig(tmp_path_factory):
 
 @pytest_asyncio.fixture(autouse=True)
 async def fresh_reflectors():
-    """Reflectors are class-level singletons bound to one event loop: each test starts and ends without."""
-    await KubeSpawner._stop_all_reflectors()
+    """Reflectors are class-level singletons bound to one event loop, and the client configuration is
+    process-wide: each test starts and ends without either (`forget_kube_clients`)."""
+    await forget_kube_clients()
     yield
-    await KubeSpawner._stop_all_reflectors()
+    await forget_kube_clients()
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +99,7 @@ async def cluster():
         async with ApiClient(Configuration(host=url)) as client:
             yield Cluster(api, url, client)
         # Watches hold connections open: end them before the server, which waits for open requests.
-        await KubeSpawner._stop_all_reflectors()
+        await forget_kube_clients()
 
 
 # --- JupyterHub's real user and hub objects ------------------------------------------------------------------
