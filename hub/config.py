@@ -14,7 +14,7 @@ from pathlib import Path
 from gpupool.hub.lifecycle import supervised
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults, load_policy
 from gpupool.spawner.wiring import (
-    ACCOUNTING_SERVICE, JOBS_SERVICE, MLFLOW_PREFIX, MLFLOW_ROLE, MLFLOW_SERVICE, mlflow_url, service_roles,
+    ACCOUNTING_SERVICE, CULLER_SERVICE, JOBS_SERVICE, MLFLOW_PREFIX, MLFLOW_ROLE, MLFLOW_SERVICE, mlflow_url, service_roles,
     sharing_roles, team_groups,
 )
 
@@ -62,6 +62,10 @@ class Settings:
     @property
     def jobs_port(self) -> int:
         return self.port + 5
+
+    @property
+    def culler_port(self) -> int:
+        return self.port + 6
 
     @property
     def mlflow_url(self) -> str:
@@ -226,6 +230,35 @@ def home_queue_notice(state_dir: str, user) -> str:
     return queue_notices(state_dir, user.name) if user is not None else ""
 
 
+def home_announcement(state_dir: str, ledger_url: str, user) -> str:
+    """The home page's announcement for `user`: queued requests a restart lost, and servers the idle culler
+    is about to stop (with the way to keep them)."""
+    if user is None:
+        return ""
+    notices = [home_queue_notice(state_dir, user)]
+    try:
+        notices.append(idle_notice(ledger_url, user.name))
+    except Exception:  # the home page shows without the warning rather than not at all
+        logging.getLogger("gpupool.home").exception("the idle warnings of %s", user.name)
+    return "".join(n for n in notices if n)
+
+
+def idle_notice(ledger_url: str, name: str) -> str:
+    """The idle culler's warnings for `name`'s servers, as HTML, linking the culler's page to keep them."""
+    from markupsafe import Markup
+
+    from gpupool.hub.accounting.culls import IdleStore
+    from gpupool.spawner.usage import get_ledger
+
+    warned = [s for s in IdleStore(get_ledger(ledger_url).engine).running(name) if s.record.warned_for is not None]
+    items = [Markup("<li>{}</li>").format(s.seen.get("message", "")) for s in warned]
+    if not items:
+        return ""
+    return Markup('<div id="gpupool-idle-warning"><strong>Idle GPU:</strong><ul class="mb-1">{}</ul>'
+                  '<a class="btn btn-sm btn-warning" href="{}">Keep it</a></div>').format(
+        Markup("").join(items), f"../services/{CULLER_SERVICE}/")
+
+
 def apply_config(c, settings: Settings) -> None:
     """Set the traits of a traitlets Config `c` for the embedded platform."""
     policy = load_policy(settings.policy_dir)
@@ -264,7 +297,7 @@ def apply_config(c, settings: Settings) -> None:
     queue_token = secrets.token_hex(32)
     c.LocalGPUSpawner.queue_service_token = queue_token
     c.JupyterHub.template_vars = {"gpupool": home_page_teams(settings.policy_dir, settings.ledger_url),
-                                  "announcement_home": partial(home_queue_notice, str(state))}
+                                  "announcement_home": partial(home_announcement, str(state), settings.ledger_url)}
 
     if settings.authenticator == "native":
         c.JupyterHub.authenticator_class = "gpupool.hub.auth.GPUPoolNativeAuthenticator"
@@ -311,6 +344,17 @@ def apply_config(c, settings: Settings) -> None:
                         "GPUPOOL_NAV_SERVICES": nav_services},
         "oauth_no_confirm": True,
         "display": True,
+    })
+    # The idle culler: warns, then stops, servers whose GPU share sits idle (hub/culler.py).
+    services.append({
+        "name": CULLER_SERVICE,
+        "url": f"http://127.0.0.1:{settings.culler_port}",
+        "command": [sys.executable, "-m", "gpupool.hub.culler"],
+        "environment": {"GPUPOOL_STATE_DIR": str(state), "GPUPOOL_POLICIES": str(settings.policy_dir),
+                        "GPUPOOL_LEDGER_URL": settings.ledger_url, "GPUPOOL_HUB_URL": settings.url,
+                        "GPUPOOL_NAV_SERVICES": nav_services},
+        "oauth_no_confirm": True,
+        "display": False,
     })
     if settings.mlflow:
         services.append(mlflow_service(settings))

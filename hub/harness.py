@@ -100,7 +100,7 @@ class Hub:
         (self.state / "jupyterhub_config.d").mkdir(parents=True)
         (self.state / "jupyterhub_config.d" / "harness.py").write_text(service_config(self.token, extra_config))
         self.team_root = tmp / "teams"
-        self.port = free_port_block(6)
+        self.port = free_port_block(7)
         self.ledger_url = ledger_url or defaults.ledger_url(self.state)
         self.mlflow_backend_url = mlflow_backend_url
         self.mlflow = mlflow  # tests that do not use MLflow start faster without it

@@ -68,13 +68,14 @@ def up(args: argparse.Namespace) -> int:
         print(f"gpupool: stopped {len(stale)} service process(es) an earlier run on {state} left running: "
               + "; ".join(stale), flush=True)
     # The proxy's own ports are left out: JupyterHub replaces a proxy an earlier run left (state/proxy.pid).
-    wanted = {args.port + 1: "the hub", args.port + 3: "the accounting service", args.port + 5: "the jobs service"}
+    wanted = {args.port + 1: "the hub", args.port + 3: "the accounting service", args.port + 5: "the jobs service",
+              args.port + 6: "the idle culler"}
     if not getattr(args, "no_mlflow", False):
         wanted[args.port + 4] = "MLflow"
     taken = lifecycle.ports_in_use(wanted)
     if taken:
         print(f"gpupool up: port {', '.join(taken)} is in use by another program; stop it, or choose another "
-              f"--port (gpupool uses PORT to PORT+4)", file=sys.stderr)
+              f"--port (gpupool uses PORT to PORT+6)", file=sys.stderr)
         return 1
     password = prepare_state(state, args.admin_password_file)
     url = f"http://{args.ip}:{args.port}/"

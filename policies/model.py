@@ -269,6 +269,58 @@ class Resources(Strict):
         return self
 
 
+# --- idle culling --------------------------------------------------------------------------------------
+
+
+def _positive(value: Any) -> Decimal:
+    result = _decimal(value)
+    if result <= 0:
+        raise ValueError("must be greater than 0")
+    return result
+
+
+PositiveDecimal = Annotated[Decimal, BeforeValidator(_positive), PlainSerializer(str, return_type=str)]
+
+
+class Idle(Strict):
+    """When the idle culler stops a server that holds a GPU share and does nothing with it.
+
+    A server is idle while every signal is under its threshold: the GPU use of its own processes (not the card's),
+    their CPU use, and Jupyter's own activity (no kernel busy, no kernel or terminal activity). Idle for
+    `after_minutes`, it is stopped; its user is warned `warn_minutes` before (the hub's home page, the culler's
+    page, the alert webhook) and may keep it for up to `keep_max_hours` in all.
+    """
+
+    enabled: bool = Field(True, description="Off: servers under this rule are never culled.")
+    after_minutes: PositiveDecimal = Field(
+        Decimal(60), description="Minutes a server may stay idle before it is stopped (e.g. 60).")
+    gpu_below_percent: NonNegativeDecimal = Field(
+        Decimal(1), description="The server's processes' GPU utilisation (SM %, the highest sample since the "
+        "culler's last look) under which the GPU counts as idle.")
+    cpu_below_percent: NonNegativeDecimal = Field(
+        Decimal(5), description="The server's processes' CPU use in % of one core, averaged since the culler's "
+        "last look, under which the CPU counts as idle.")
+    warn_minutes: NonNegativeDecimal = Field(
+        Decimal(10), description="Minutes before the stop at which the user is warned (0: no warning time; "
+        "the warning still comes first).")
+    max_age_hours: PositiveDecimal | None = Field(
+        None, description="Stop a server this many hours after it started, busy or not (warned the same way). "
+        "Leave out for no limit.")
+    keep_max_hours: NonNegativeDecimal = Field(
+        Decimal(8), description="How many hours in all a user may postpone the stop of one server with "
+        "\"keep it\" (0: no postponing).")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Idle:
+        for name in ("gpu_below_percent", "cpu_below_percent"):
+            if getattr(self, name) > 100:
+                raise ValueError(f"{name} must be at most 100")
+        if self.warn_minutes >= self.after_minutes:
+            raise ValueError(f"warn_minutes ({self.warn_minutes}) must be less than after_minutes "
+                             f"({self.after_minutes})")
+        return self
+
+
 class Profile(Strict):
     """A choice on the spawn page."""
 
@@ -281,6 +333,9 @@ class Profile(Strict):
     teams: list[str] = Field(min_length=1, description="Teams whose members may pick this profile.")
     preemptible: bool = Field(False, description="Work under this profile may be preempted by Volcano.")
     default: bool = Field(False, description="Preselected on the spawn page (at most one profile).")
+    idle: Idle | None = Field(
+        None, description="When idle servers of this profile are culled; before the team's `idle` and the "
+        "pool's `settings.idle`.")
 
 
 # --- teams ---------------------------------------------------------------------------------------------
@@ -445,6 +500,10 @@ class Team(Strict):
         "team's group, never with anyone else; share codes are refused. Off: nobody of the team may share.",
     )
 
+    idle: Idle | None = Field(
+        None, description="When the team's idle servers are culled (a profile's own `idle` comes first); "
+        "leave out for the pool's `settings.idle`.")
+
     job_priorities: list[JobPriority] = Field(
         default_factory=lambda: ["low", "normal"], min_length=1,
         description="The priorities members may give their training jobs (`gpupool jobs submit --priority`). "
@@ -596,6 +655,8 @@ class Settings(Strict):
         "`fragmentation-aware`: where the free share left on cards stays most usable by the profiles' "
         "shares (the FGD measure, USENIX ATC'23). `gpupool replay openb` compares both.",
     )
+    idle: Idle = Field(Idle(), description="When idle servers are culled, unless their profile or team says "
+                       "otherwise (60 idle minutes, GPU under 1%, CPU under 5%, warned 10 minutes before).")
 
 
 class Policy(Strict):
@@ -637,6 +698,15 @@ class Policy(Strict):
         """The queue priority of work of `team` at job priority `priority` (servers are `normal`): the team's
         priority plus the policy's offset for it."""
         return self.teams[team].priority + self.jobs.priorities[priority]
+
+    def idle_rule(self, team: str, profile: str) -> Idle:
+        """The culling rule of a server of `team` under `profile`: the profile's, else the team's, else the pool's
+        (a name no longer in the policies falls through to the next)."""
+        chosen = self.profiles.get(profile)
+        if chosen is not None and chosen.idle is not None:
+            return chosen.idle
+        owner = self.teams.get(team)
+        return owner.idle if owner is not None and owner.idle is not None else self.settings.idle
 
     def queue_timeout(self, team: str) -> int:
         return self.teams[team].queue.timeout_seconds or self.settings.queue_timeout_seconds

@@ -346,7 +346,7 @@ def jupyterhub_values(policy: Policy, release: Release) -> dict[str, Any]:
             },
             # The same roles as the embedded mode's (hub/config.py): the service gets exactly the scopes it
             # declares, and every user may open its pages, where the service decides what each one sees.
-            "loadRoles": service_roles(jobs=False),
+            "loadRoles": service_roles(jobs=False, culler=False),
         },
         # Volcano places user pods; z2jh's user scheduler, its placeholders and its own PriorityClasses
         # would compete with the team queues and priorities.

@@ -26,6 +26,12 @@ JOBS_SCOPES: tuple[str, ...] = ()
 #: The MLflow service needs no hub scope: the identity of each caller's token (name, admin, groups) comes with
 #: the token itself, and teams and reviewers come from the policies.
 MLFLOW_SCOPES: tuple[str, ...] = ()
+CULLER_SERVICE = "culler"
+CULLER_ROLE = "gpupool-culler"
+#: The idle culler's scopes: which servers run (`read:servers`), with their state (`admin:server_state`: PID,
+#: cards, ledger run), their kernels (`access:servers`, asked of each server's Jupyter API), and the stop.
+CULLER_SCOPES = ("list:users", "read:users:name", "read:servers", "admin:server_state", "access:servers",
+                 "delete:servers")
 #: What a user server's own API token ($JUPYTERHUB_API_TOKEN, also $MLFLOW_TRACKING_TOKEN) may do: JupyterHub's
 #: default `server` role, plus calling the MLflow service.
 SERVER_TOKEN_SCOPES = ("users:activity!user", "access:servers!server", f"access:services!service={MLFLOW_SERVICE}",
@@ -64,10 +70,10 @@ def sharing_roles(policy: Policy) -> list[dict[str, Any]]:
     ]
 
 
-def service_roles(jobs: bool = True) -> dict[str, dict[str, Any]]:
+def service_roles(jobs: bool = True, culler: bool = True) -> dict[str, dict[str, Any]]:
     """Each service gets exactly its scopes; every user may open their pages (the services decide what they see).
 
-    `jobs`: with the jobs service (the embedded mode; the Kubernetes mode has no jobs service yet)."""
+    `jobs`, `culler`: with the jobs service and the idle culler (the embedded mode; the chart has neither yet)."""
     roles = {
         ACCOUNTING_ROLE: {
             "description": "gpupool-accounting reads team membership and which servers run",
@@ -84,10 +90,18 @@ def service_roles(jobs: bool = True) -> dict[str, dict[str, Any]]:
             "scopes": list(JOBS_SCOPES),
             "services": [JOBS_SERVICE],
         },
+        CULLER_ROLE: {
+            "description": "gpupool-culler warns, then stops, servers whose GPU share sits idle",
+            "scopes": list(CULLER_SCOPES),
+            "services": [CULLER_SERVICE],
+        },
         "user": {"scopes": ["self", f"access:services!service={ACCOUNTING_SERVICE}",
                             f"access:services!service={MLFLOW_SERVICE}"]
-                 + ([f"access:services!service={JOBS_SERVICE}"] if jobs else [])},
+                 + ([f"access:services!service={JOBS_SERVICE}"] if jobs else [])
+                 + ([f"access:services!service={CULLER_SERVICE}"] if culler else [])},
     }
     if not jobs:
         del roles[JOBS_ROLE]
+    if not culler:
+        del roles[CULLER_ROLE]
     return roles

@@ -214,7 +214,7 @@ def up_alone(tmp: Path, server_env: str, *args: str) -> tuple[subprocess.Popen, 
 def _port() -> int:
     from gpupool.hub.harness import free_port_block
 
-    return free_port_block(6)
+    return free_port_block(7)
 
 
 @pytest.mark.parametrize("where", ["missing", "private"])

@@ -245,6 +245,42 @@ class JobRun(Base):
     )
 
 
+class IdleServer(Base):
+    """The idle culler's record of one server run that holds a GPU share (`idleness.IdleRecord`): since when it
+    is idle, its warning, its user's "keep it", and the culler's stop. A stop asked for here makes the run's
+    interval end `culled` (`Ledger.close_run`)."""
+
+    __tablename__ = "accounting_idle_servers"
+
+    #: The server run (`ledger.run_key`), as in the run's intervals.
+    run: Mapped[str] = mapped_column(sa.String(255), primary_key=True)
+    user: Mapped[str] = mapped_column(sa.String(255))
+    #: The server's name ("" for the default server).
+    server: Mapped[str] = mapped_column(sa.String(255))
+    team: Mapped[str] = mapped_column(sa.String(63))
+    profile: Mapped[str] = mapped_column(sa.String(63))
+    started_at: Mapped[datetime] = mapped_column(UTCSeconds)
+    last_active_at: Mapped[datetime] = mapped_column(UTCSeconds)
+    #: When the culler last looked, and what it saw then (JSON: the signals and the decision, for the pages).
+    seen_at: Mapped[datetime] = mapped_column(UTCSeconds)
+    seen: Mapped[str] = mapped_column(sa.Text, default="{}")
+    warned_at: Mapped[datetime | None] = mapped_column(UTCSeconds)
+    #: The stop time the warning announced.
+    warned_for: Mapped[datetime | None] = mapped_column(UTCSeconds)
+    keep_until: Mapped[datetime | None] = mapped_column(UTCSeconds)
+    #: Seconds of postponing granted so far ("keep it", bounded by the rule's `keep_max_hours`).
+    kept_s: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+    #: When the culler asked the hub to stop it (then its interval ends `culled`), and why in words.
+    cull_requested_at: Mapped[datetime | None] = mapped_column(UTCSeconds)
+    cull_reason: Mapped[str] = mapped_column(sa.Text, default="")
+
+    __table_args__ = (
+        sa.CheckConstraint("kept_s >= 0", name="kept_not_negative"),
+        sa.Index(None, "user"),
+        sa.Index(None, "team"),
+    )
+
+
 # --- engines ---------------------------------------------------------------------------------------------
 
 ACCEPTED_URLS = "sqlite:///PATH or postgresql+psycopg://USER@HOST:PORT/DATABASE"

@@ -55,6 +55,7 @@ from gpupool.hub.accounting.admission import (
 from gpupool.policies.model import Policy
 
 INTERVALS = db.UsageInterval.__table__
+IDLE_SERVERS = db.IdleServer.__table__
 ALERTS = db.AlertRecord.__table__
 LOCKS = db.AdmissionLock.__table__
 #: What sums can be grouped by.
@@ -405,6 +406,10 @@ class Ledger:
         run, ended = _text(run, "run", MAX_RUN_KEY), _how(how)
         c = INTERVALS.c
         with self._writer.begin() as connection:
+            if ended is HowEnded.STOPPED and connection.execute(
+                    sa.select(IDLE_SERVERS.c.run).where(IDLE_SERVERS.c.run == run,
+                                                        IDLE_SERVERS.c.cull_requested_at.is_not(None))).first():
+                ended = HowEnded.CULLED  # the idle culler asked the hub for this stop
             if end is None:
                 new_end: Any = c.last_seen_at
             else:

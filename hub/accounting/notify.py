@@ -15,16 +15,21 @@ from gpupool.hub.accounting.ledger import AdmissionResult, Ledger
 from gpupool.policies.model import Policy
 
 
-def post_alert(url: str, alert: Alert, log) -> None:
-    """POST one budget alert as JSON (in a thread: a slow receiver must not hold up the queue)."""
-    body = json.dumps({"team": alert.team, "period": alert.period, "scope": alert.scope or None,
-                       "threshold": alert.threshold_text, "message": alert.message}).encode()
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}, method="POST")
+def post_webhook(url: str, body: dict, log) -> None:
+    """POST one alert as JSON to the policy's webhook (in a thread: a slow receiver must not hold anything up)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"},
+                                     method="POST")
     try:
         with urllib.request.urlopen(request, timeout=10):
             pass
     except OSError as error:
-        log.error("budget alert webhook %s failed: %s", url, error)
+        log.error("alert webhook %s failed: %s", url, error)
+
+
+def post_alert(url: str, alert: Alert, log) -> None:
+    """POST one budget alert as JSON."""
+    post_webhook(url, {"team": alert.team, "period": alert.period, "scope": alert.scope or None,
+                       "threshold": alert.threshold_text, "message": alert.message}, log)
 
 
 def deliver(policy: Policy, alerts: list[Alert] | tuple[Alert, ...], log) -> None:

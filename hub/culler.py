@@ -1,0 +1,484 @@
+"""gpupool's GPU-aware idle culler: a hub service that warns, then stops servers that hold a GPU share and use it
+not (`python -m gpupool.hub.culler`).
+
+In the style of jupyterhub-idle-culler (a traitlets `Application`, every option with help, each pass bounded and
+logged), with what that culler cannot see: the GPU and CPU use of the server's own processes and whether a kernel
+executes (`idle_signals`), judged against the server's `idle` rule in the policies (`idleness.decide`). Each pass:
+
+1. asks the hub which servers run (`GET /hub/api/users?state=active`, with their state: PID, cards, ledger run);
+2. looks at each one that holds a GPU share, keeps what it saw in the ledger's database (`accounting_idle_servers`);
+3. warns the user `warn_minutes` before the stop (the hub's home page shows it, this service's page offers "keep
+   it", the alert webhook gets it), and stops the server through the hub's REST API when its time comes; the
+   run's interval then ends `culled`, and the share goes to the head of the queue at once.
+
+Its hub scopes (README, "Scopes of the services"): `list:users`, `read:users:name`, `read:servers`,
+`admin:server_state` (a server's PID, cards and ledger run), `delete:servers` (the stop) and `access:servers`
+(the kernels' state, asked of each server's own Jupyter API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+import urllib.parse
+from dataclasses import asdict
+from datetime import datetime, timedelta
+
+from jupyterhub.services.auth import HubOAuthCallbackHandler
+from markupsafe import Markup
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from tornado import ioloop, web
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from traitlets import Bool, Enum, Float, Integer, List, Unicode, default
+from traitlets.config import Application
+
+from gpupool.hub.accounting import notify, periods
+from gpupool.hub.accounting.culls import IdleServer, IdleStore
+from gpupool.hub.accounting.idleness import Action, IdleRecord, KeepRefused, Signals, decide, keep
+from gpupool.hub.accounting.ledger import Ledger
+from gpupool.hub.accounting.service import MAX_BODY_BYTES, AccountingHandler, HealthHandler, NotFoundHandler, page_templates
+from gpupool.hub.idle_signals import CPUMeter, HAMiMetrics, NVMLGPU, ProcessTree, jupyter_activity
+from gpupool.policies import DEFAULT_POLICY_DIR, defaults
+from gpupool.policies.resources import profile_share
+
+log = logging.getLogger("gpupool.culler")
+
+#: Hours a "keep it" asks for when the request names none.
+DEFAULT_KEEP_HOURS = 1
+
+
+class Metrics:
+    """The culler's Prometheus metrics (its own registry, served at `metrics` to admins)."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.passes = Histogram("gpupool_culler_pass_seconds", "Duration of one culling pass", registry=self.registry)
+        self.hub_requests = Counter("gpupool_culler_hub_requests", "Requests to the hub's REST API",
+                                    registry=self.registry)
+        self.warned = Counter("gpupool_culler_warnings", "Idle warnings sent", ["team"], registry=self.registry)
+        self.culled = Counter("gpupool_culler_culled_servers", "Servers stopped as idle", ["team", "cause"],
+                              registry=self.registry)
+        self.idle = Gauge("gpupool_culler_idle_servers", "Servers idle at the last pass", ["team"],
+                          registry=self.registry)
+        self.held = Gauge("gpupool_culler_idle_shares", "GPU shares held by servers idle at the last pass",
+                          ["team"], registry=self.registry)
+
+
+def _options_of(state: dict) -> tuple[str, str] | None:
+    choice = state.get("choice") or {}
+    if not choice.get("profile") or not choice.get("team"):
+        return None
+    return choice["team"], choice["profile"]
+
+
+def _started(server: dict) -> datetime:
+    started = server.get("started")
+    moment = datetime.fromisoformat(started.replace("Z", "+00:00")) if started else periods.utcnow()
+    return periods.ensure_utc(moment)
+
+
+class IdleCuller(Application):
+    """Warn, then stop, servers whose GPU share sits idle."""
+
+    name = "gpupool-culler"
+    description = __doc__.split("\n\n")[0]
+
+    hub_api_url = Unicode(help="""The hub's REST API (JUPYTERHUB_API_URL, which the hub gives its services).
+
+        c.IdleCuller.hub_api_url = "http://127.0.0.1:8081/hub/api"
+        """).tag(config=True)
+
+    @default("hub_api_url")
+    def _default_hub_api_url(self):
+        return os.environ.get("JUPYTERHUB_API_URL", "http://127.0.0.1:8081/hub/api")
+
+    api_token = Unicode(help="""The culler's hub token (JUPYTERHUB_API_TOKEN, which the hub gives its services).
+        Its role needs exactly the scopes listed in the module's documentation.""").tag(config=True)
+
+    @default("api_token")
+    def _default_api_token(self):
+        return os.environ.get("JUPYTERHUB_API_TOKEN", "")
+
+    public_url = Unicode(help="""Where the hub's proxy serves user servers (their Jupyter API is asked there for
+        the kernels' state), e.g. `http://127.0.0.1:8000/`; GPUPOOL_HUB_URL by default.""").tag(config=True)
+
+    @default("public_url")
+    def _default_public_url(self):
+        return os.environ.get("GPUPOOL_HUB_URL", "http://127.0.0.1:8000/")
+
+    policy_dir = Unicode(help="The policies (each server's `idle` rule); GPUPOOL_POLICIES by default.").tag(config=True)
+
+    @default("policy_dir")
+    def _default_policy_dir(self):
+        return os.environ.get("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR))
+
+    ledger_url = Unicode(help="The ledger's database (GPUPOOL_LEDGER_URL by default).").tag(config=True)
+
+    @default("ledger_url")
+    def _default_ledger_url(self):
+        return os.environ.get("GPUPOOL_LEDGER_URL") or defaults.ledger_url(defaults.state_dir())
+
+    interval = Float(60, help="""Seconds between two passes. A server is stopped at most this long after its time;
+        its processes' CPU use is averaged over it.
+
+        c.IdleCuller.interval = 60
+        """).tag(config=True)
+
+    concurrency = Integer(8, help="Servers looked at in parallel during a pass.").tag(config=True)
+
+    gpu_source = Enum(["nvml", "hami", "none"], "nvml", help="""Where the GPU use of a server's processes comes from.
+
+        - `nvml`: the embedded mode; NVML's per-process samples on the server's cards (no driver: unavailable).
+        - `hami`: the Kubernetes mode with HAMi; `Device_utilization_desc_of_container` and
+          `Device_last_kernel_of_container` per pod, from `hami_metrics_urls`.
+        - `none`: no GPU signal; kernels and CPU decide.
+        """).tag(config=True)
+
+    hami_metrics_urls = List(Unicode(), help="""With `gpu_source = "hami"`: URLs serving HAMi's metrics in
+        Prometheus' text format: each node's vGPU monitor (`http://NODE:9394/metrics`), or one Prometheus server's
+        federation endpoint (`http://prometheus:9090/federate?match[]={__name__=~"Device_.*_of_container"}`).
+        """).tag(config=True)
+
+    namespace = Unicode("", help="The Kubernetes namespace of the user pods (the `hami` source).").tag(config=True)
+
+    cpu = Bool(True, help="Count the CPU use of the server's processes (embedded mode: they run on this machine).").tag(
+        config=True)
+
+    port = Integer(help="Where this service's page and API listen (from JUPYTERHUB_SERVICE_URL).").tag(config=True)
+
+    @default("port")
+    def _default_port(self):
+        return urllib.parse.urlparse(os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:8006")).port or 8006
+
+    prefix = Unicode(help="The service's path behind the proxy (JUPYTERHUB_SERVICE_PREFIX).").tag(config=True)
+
+    @default("prefix")
+    def _default_prefix(self):
+        return os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/culler/")
+
+    aliases = {"interval": "IdleCuller.interval", "gpu-source": "IdleCuller.gpu_source",
+               "policies": "IdleCuller.policy_dir", "ledger-url": "IdleCuller.ledger_url",
+               "concurrency": "IdleCuller.concurrency", "log-level": "Application.log_level"}
+
+    # --- running -------------------------------------------------------------------------------------------
+
+    def initialize(self, argv=None):
+        super().initialize(argv)
+        self.ledger = Ledger(self.ledger_url)
+        self.store = IdleStore(self.ledger.engine)
+        self.metrics = Metrics()
+        self.cpu_meter = CPUMeter()
+        self.gpu = NVMLGPU() if self.gpu_source == "nvml" else None
+        self.hami = HAMiMetrics(self.hami_metrics_urls) if self.gpu_source == "hami" else None
+        self.http = AsyncHTTPClient()
+        self._pass_lock = asyncio.Lock()
+
+    @property
+    def policy(self):
+        from gpupool.policies.reload import current_policy
+
+        return current_policy(self.policy_dir, self.log)
+
+    async def hub(self, method: str, path: str, **kwargs) -> tuple[int, dict | list | None]:
+        self.metrics.hub_requests.inc()
+        request = HTTPRequest(self.hub_api_url.rstrip("/") + path, method=method,
+                              headers={"Authorization": f"token {self.api_token}",
+                                       "Accept": "application/jupyterhub-pagination+json"},
+                              request_timeout=60, allow_nonstandard_methods=True, **kwargs)
+        answer = await self.http.fetch(request)
+        return answer.code, (json.loads(answer.body) if answer.body else None)
+
+    async def running_servers(self) -> list[tuple[dict, str, dict]]:
+        """(user, server name, server model) of every running server, all pages of the hub's answer."""
+        found, offset = [], 0
+        while True:
+            _, page = await self.hub("GET", f"/users?state=active&offset={offset}&limit=200")
+            items = page["items"] if isinstance(page, dict) else page
+            for user in items:
+                for name, server in (user.get("servers") or {}).items():
+                    if server.get("ready") and not server.get("pending"):
+                        found.append((user, name, server))
+            following = page.get("_pagination", {}).get("next") if isinstance(page, dict) else None
+            if not following:
+                return found
+            offset = following["offset"]
+
+    async def cull_pass(self) -> None:
+        if self._pass_lock.locked():
+            self.log.warning("the previous pass is still running: this one is skipped")
+            return
+        async with self._pass_lock:
+            begun = time.monotonic()
+            try:
+                servers = await self.running_servers()
+            except Exception as error:
+                self.log.error("the hub did not list the servers (%s): no culling this pass", error)
+                return
+            if self.hami is not None:
+                await asyncio.to_thread(self.hami.refresh)
+            gate = asyncio.Semaphore(self.concurrency)
+
+            async def one(user, name, server):
+                async with gate:
+                    try:
+                        return await self.look_at(user, name, server)
+                    except Exception:
+                        self.log.exception("looking at %s/%s failed", user["name"], name)
+                        return None
+
+            outcomes = await asyncio.gather(*(one(*s) for s in servers))
+            runs = {o[0] for o in outcomes if o}
+            self.cpu_meter.forget_except(runs)
+            idle: dict[str, tuple[int, float]] = {}
+            for outcome in outcomes:
+                if outcome and outcome[1] is not Action.ACTIVE and outcome[1] is not Action.EXEMPT:
+                    count, shares = idle.get(outcome[2], (0, 0.0))
+                    idle[outcome[2]] = (count + 1, shares + outcome[3])
+            self.metrics.idle.clear()
+            self.metrics.held.clear()
+            for team, (count, shares) in idle.items():
+                self.metrics.idle.labels(team).set(count)
+                self.metrics.held.labels(team).set(shares)
+            took = time.monotonic() - begun
+            self.metrics.passes.observe(took)
+            self.log.info("pass: %d servers looked at, %d idle, in %.2f s", len(servers),
+                          sum(c for c, _ in idle.values()), took)
+
+    def signals(self, run: str, user: dict, name: str, server: dict) -> Signals:
+        """What the server did since the last look (blocking: NVML, /proc and the server's API)."""
+        state = server.get("state") or {}
+        gpu = cpu = None
+        gpu_note = cpu_note = ""
+        tree = ProcessTree(state.get("pid"), state.get("pid_started"))
+        processes = tree.processes() if (self.cpu or self.gpu is not None) else []
+        if self.cpu:
+            cpu, cpu_note = self.cpu_meter.percent(run, processes) if state.get("pid") else (
+                None, "the server's processes are not on this machine")
+        if self.gpu is not None:
+            cards = list((state.get("allocation") or {}).get("cards") or [])
+            reading = self.gpu.reading(cards, {p.pid for p in processes})
+            gpu, gpu_note = reading.percent, reading.note
+        elif self.hami is not None:
+            pod = state.get("pod_name") or ""
+            reading = self.hami.reading(self.namespace, pod, self.interval)
+            gpu, gpu_note = reading.percent, reading.note
+        else:
+            gpu_note = "no GPU signal configured (gpu_source: none)"
+        url = self.public_url.rstrip("/") + server["url"]
+        jupyter = jupyter_activity(url, self.api_token)
+        return Signals(gpu_percent=gpu, gpu_note=gpu_note, cpu_percent=cpu, cpu_note=cpu_note,
+                       busy_kernels=jupyter.busy_kernels, jupyter_activity=jupyter.last_activity,
+                       jupyter_note=jupyter.note)
+
+    async def look_at(self, user: dict, name: str, server: dict):
+        state = server.get("state") or {}
+        run = state.get("usage_run")
+        options = _options_of(state)
+        if not run or options is None:
+            return None  # holds no GPU share: not this culler's business
+        team, profile = options
+        policy = self.policy
+        rule = policy.idle_rule(team, profile)
+        signals = await asyncio.to_thread(self.signals, run, user, name, server)
+        now = periods.utcnow()
+        known = await asyncio.to_thread(self.store.get, run)
+        record = known.record if known is not None else IdleRecord(started=_started(server),
+                                                                   last_active=_started(server))
+        label = f"{user['name']}'s server {name!r}" if name else f"{user['name']}'s server"
+        decision = decide(rule, signals, record, now, label)
+        seen = {"action": str(decision.action), "cause": decision.cause,
+                "cull_at": decision.cull_at.isoformat() if decision.cull_at else None,
+                "idle_minutes": round((now - decision.record.last_active).total_seconds() / 60, 1),
+                "message": decision.message,
+                "signals": {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in asdict(signals).items()}}
+        await asyncio.to_thread(self.store.save, run, user["name"], name, team, profile, decision.record, now, seen)
+        display = policy.profiles[profile].display_name if profile in policy.profiles else profile
+        if decision.action is Action.WARN:
+            self.metrics.warned.labels(team).inc()
+            self.log.warning("warned: %s", decision.message)
+            self.webhook(policy, "idle-warning", user["name"], name, team, display, decision)
+        elif decision.action is Action.CULL:
+            await self.cull(user["name"], name, run, team, display, decision)
+        chosen = policy.profiles.get(profile)
+        share = float(profile_share(chosen, policy)) if chosen is not None and chosen.gpu is not None else 0.0
+        return run, decision.action, team, share
+
+    async def cull(self, user: str, name: str, run: str, team: str, display: str, decision) -> None:
+        # Asked for in the ledger first: the interval the stop closes then ends `culled`.
+        await asyncio.to_thread(self.store.request_cull, run, periods.utcnow(), decision.message)
+        path = f"/users/{urllib.parse.quote(user)}/servers/{urllib.parse.quote(name)}" if name else \
+            f"/users/{urllib.parse.quote(user)}/server"
+        try:
+            code, _ = await self.hub("DELETE", path)
+        except HTTPClientError as error:
+            await asyncio.to_thread(self.store.cull_failed, run)
+            self.log.error("the hub did not stop %s/%s: %s", user, name, error)
+            return
+        self.metrics.culled.labels(team, decision.cause).inc()
+        self.log.warning("culled (%s): %s", "stopping" if code == 202 else "stopped", decision.message)
+        self.webhook(self.policy, "idle-cull", user, name, team, display, decision)
+
+    def webhook(self, policy, kind: str, user: str, name: str, team: str, display: str, decision) -> None:
+        url = policy.settings.alert_webhook
+        if url:
+            body = {"kind": kind, "user": user, "server": name, "team": team, "profile": display,
+                    "cull_at": decision.cull_at.isoformat() if decision.cull_at else None,
+                    "cause": decision.cause, "message": decision.message}
+            asyncio.get_running_loop().run_in_executor(None, notify.post_webhook, url, body, self.log)
+
+    def start(self):
+        app = make_app(self)
+        app.listen(self.port, "127.0.0.1" if not os.environ.get("GPUPOOL_CULLER_BIND_ALL") else "")
+        self.log.info("gpupool-culler: a pass every %s s, GPU from %s, page at %s", self.interval, self.gpu_source,
+                      self.prefix)
+        loop = ioloop.IOLoop.current()
+        loop.add_callback(self.cull_pass)
+        ioloop.PeriodicCallback(self.cull_pass, self.interval * 1000).start()
+        loop.start()
+
+
+# --- the page and the API --------------------------------------------------------------------------------------
+
+
+class CullerHandler(AccountingHandler):
+    @property
+    def culler(self) -> IdleCuller:
+        return self.settings["culler"]
+
+    def idle_server_or_404(self, user: str, name: str) -> IdleServer:
+        viewer = self.viewer()
+        if user != viewer.name and not viewer.admin:
+            raise web.HTTPError(404, f"no running server {user}/{name} of yours")
+        found = [s for s in self.culler.store.running(user) if s.server == name]
+        if not found:
+            raise web.HTTPError(404, f"no running server {user}/{name} holding a GPU share: nothing to keep")
+        return max(found, key=lambda s: s.record.started)
+
+    def keep_it(self, user: str, name: str, hours_text: str | None) -> dict:
+        server = self.idle_server_or_404(user, name)
+        try:
+            hours = float(hours_text) if hours_text not in (None, "") else DEFAULT_KEEP_HOURS
+        except ValueError:
+            raise web.HTTPError(400, f"hours must be a number of hours such as 1 or 0.5, not {hours_text[:20]!r}")
+        if not 0 < hours <= 24 * 7:
+            raise web.HTTPError(400, "hours must be more than 0 and at most 168")
+        rule = self.policy.idle_rule(server.team, server.profile)
+        try:
+            record = keep(rule, server.record, periods.utcnow(), timedelta(hours=hours))
+        except KeepRefused as refused:
+            raise web.HTTPError(409, str(refused)) from None
+        self.culler.store.keep(server.run, record)
+        log.info("%s kept %s/%s until %s (kept %s in all)", self.viewer().name, user, name, record.keep_until,
+                 record.kept)
+        return describe(self.culler.store.get(server.run), rule)
+
+    def render_culler(self, servers: list[dict]) -> None:
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.finish(self.settings["templates"].get_template("culler.html").render(
+            **self.hub_namespace(self.current_user), title="Idle servers", servers=servers,
+            service_prefix=self.settings["prefix"], xsrf_form_html=lambda: Markup(self.xsrf_form_html())))
+
+
+def describe(server: IdleServer, rule) -> dict:
+    seen = server.seen
+    return {
+        "user": server.user, "server": server.server, "team": server.team, "profile": server.profile,
+        "state": seen.get("action", "active"), "idle_minutes": seen.get("idle_minutes", 0.0),
+        "cull_at": seen.get("cull_at"), "cause": seen.get("cause", ""),
+        "message": seen.get("message", ""), "signals": seen.get("signals", {}),
+        "keep_until": server.record.keep_until.isoformat() if server.record.keep_until else None,
+        "kept_hours": round(server.record.kept.total_seconds() / 3600, 2),
+        "keep_max_hours": float(rule.keep_max_hours), "after_minutes": float(rule.after_minutes),
+        "seen_at": server.seen_at.isoformat(),
+    }
+
+
+class PageHandler(CullerHandler):
+    @web.authenticated
+    def get(self):
+        viewer, policy = self.viewer(), self.policy
+        rows = []
+        for server in self.culler.store.running(viewer.name):
+            row = describe(server, policy.idle_rule(server.team, server.profile))
+            profile = policy.profiles.get(server.profile)
+            row["profile_name"] = profile.display_name if profile else server.profile
+            row["cull_time"] = row["cull_at"][11:16] if row["cull_at"] else ""
+            rows.append(row)
+        self.render_culler(rows)
+
+
+class KeepPageHandler(CullerHandler):
+    """The page's "keep it" button (form fields `server` and `hours`): back to the page."""
+
+    @web.authenticated
+    def post(self):
+        self.keep_it(self.viewer().name, self.get_body_argument("server", ""), self.get_body_argument("hours", None))
+        self.redirect(self.settings["prefix"])
+
+
+class ServersHandler(CullerHandler):
+    """GET api/servers: the caller's servers as the culler sees them (admins: `?all=1` for everyone's)."""
+
+    @web.authenticated
+    def get(self):
+        viewer, policy = self.viewer(), self.policy
+        users = None if viewer.admin and self.get_argument("all", "") == "1" else viewer.name
+        rows = [describe(s, policy.idle_rule(s.team, s.profile)) for s in self.culler.store.running(users)]
+        self.write_json({"servers": rows})
+
+
+class KeepHandler(CullerHandler):
+    """POST api/servers/USER[/SERVER]/keep {"hours": 1}: postpone the stop, within the rule's `keep_max_hours`."""
+
+    @web.authenticated
+    def post(self, user: str, name: str | None = None):
+        try:
+            body = json.loads(self.request.body or b"{}")
+        except ValueError as error:
+            raise web.HTTPError(400, f"the body is not JSON: {error}") from None
+        if not isinstance(body, dict) or set(body) - {"hours"}:
+            raise web.HTTPError(400, 'the body must be a JSON object such as {"hours": 1} (accepted key: hours)')
+        hours = body.get("hours")
+        if hours is not None and (isinstance(hours, bool) or not isinstance(hours, (int, float))):
+            raise web.HTTPError(400, "hours must be a number")
+        self.write_json(self.keep_it(urllib.parse.unquote(user), urllib.parse.unquote(name or ""),
+                                     None if hours is None else str(hours)))
+
+
+class MetricsHandler(CullerHandler):
+    @web.authenticated
+    def get(self):
+        self.admin_or_403()
+        self.set_header("Content-Type", "text/plain; version=0.0.4")
+        self.finish(generate_latest(self.culler.metrics.registry))
+
+
+def make_app(culler: IdleCuller) -> web.Application:
+    prefix = culler.prefix
+    name = r"([^/]+)"
+    return web.Application(
+        [
+            (prefix, PageHandler),
+            (prefix + "keep", KeepPageHandler),
+            (prefix + "api/servers", ServersHandler),
+            (prefix + f"api/servers/{name}/keep", KeepHandler),
+            (prefix + f"api/servers/{name}/{name}/keep", KeepHandler),
+            (prefix + "metrics", MetricsHandler),
+            (prefix + "health", HealthHandler),
+            (prefix + "oauth_callback", HubOAuthCallbackHandler),
+        ],
+        culler=culler, ledger=culler.ledger, policy_dir=culler.policy_dir, cookie_secret=os.urandom(32), prefix=prefix,
+        base_url=os.environ.get("JUPYTERHUB_BASE_URL", "/"),
+        nav_services=tuple(n for n in os.environ.get("GPUPOOL_NAV_SERVICES", "").split(",") if n),
+        templates=page_templates(), max_body_size=MAX_BODY_BYTES, home_label="Idle servers",
+        default_handler_class=NotFoundHandler,
+    )
+
+
+main = IdleCuller.launch_instance
+
+if __name__ == "__main__":
+    main()

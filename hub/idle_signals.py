@@ -1,0 +1,245 @@
+"""What the idle culler looks at, per server: thin edges over NVML, the process table, Jupyter's API and metrics.
+
+- `ProcessTree`: a server's own processes (embedded mode), the server process and its descendants, checked by
+  PID and start time as the spawner does.
+- `CPUMeter`: their CPU use since the last look, in % of one core.
+- `NVMLGPU`: their GPU use from NVML's per-process samples (`nvmlDeviceGetProcessUtilization`) on the server's
+  own cards, never the card's total: a neighbour's work on the same card does not keep a server alive.
+- `HAMiMetrics`: the same from metrics in Prometheus' text format (HAMi's `Device_utilization_desc_of_container`
+  and `Device_last_kernel_of_container` per pod, scraped from HAMi's monitor or a Prometheus `/federate`).
+- `jupyter_activity`: kernels executing now and the latest kernel or terminal activity, from the server's own
+  Jupyter API (reached through the hub's proxy with the culler's token).
+
+Each says when it cannot tell (no driver, no per-process samples under time-slicing or MIG, a metric missing),
+and the culler then leaves that signal out rather than guess (`idleness.Signals`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+import psutil
+
+#: HAMi's vGPU monitor: a container's SM utilisation of its share (%), and seconds since its last kernel.
+HAMI_UTILIZATION = "Device_utilization_desc_of_container"
+HAMI_LAST_KERNEL = "Device_last_kernel_of_container"
+
+
+# --- the server's processes (embedded) ----------------------------------------------------------------------
+
+
+class ProcessTree:
+    """The processes of a server started as PID `pid` at `started` (seconds since the epoch, as the spawner
+    records it): empty when that process is gone (a PID reused since is not the server)."""
+
+    def __init__(self, pid: int | None, started: float | None):
+        self.pid, self.started = pid, started
+
+    def processes(self) -> list[psutil.Process]:
+        if not self.pid:
+            return []
+        try:
+            root = psutil.Process(self.pid)
+            if self.started is not None and abs(root.create_time() - self.started) > 1:
+                return []
+            return [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return []
+
+
+class CPUMeter:
+    """CPU use of process trees between two looks, per server run, in % of one core."""
+
+    def __init__(self):
+        self._last: dict[str, tuple[float, float]] = {}
+
+    @staticmethod
+    def cpu_seconds(processes: list[psutil.Process]) -> float:
+        total = 0.0
+        for index, process in enumerate(processes):
+            try:
+                times = process.cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system
+            if index == 0:  # children that ended and were reaped count in their parent's totals
+                total += times.children_user + times.children_system
+        return total
+
+    def percent(self, run: str, processes: list[psutil.Process]) -> tuple[float | None, str]:
+        if not processes:
+            self._last.pop(run, None)
+            return None, "the server's processes are not on this machine"
+        now, used = time.monotonic(), self.cpu_seconds(processes)
+        before = self._last.get(run)
+        self._last[run] = (now, used)
+        if before is None or now <= before[0]:
+            return None, "first look: CPU use is measured from the next one"
+        return max(0.0, (used - before[1]) / (now - before[0]) * 100), ""
+
+    def forget_except(self, runs: set[str]) -> None:
+        for run in set(self._last) - runs:
+            del self._last[run]
+
+
+# --- GPU use of the server's own processes (embedded: NVML) ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GPUReading:
+    percent: float | None
+    note: str = ""
+
+
+class NVMLGPU:
+    """Per-process GPU utilisation from NVML, on the cards a server holds (by UUID).
+
+    NVML is opened once; `available` is False (and `why` says so) on a machine without an NVIDIA driver.
+    `nvmlDeviceGetProcessUtilization` returns the samples since a timestamp: each look asks from the last
+    sample it saw on that card, and a server's figure is the highest SM utilisation of its processes among them.
+    """
+
+    def __init__(self):
+        self.why = ""
+        self._last: dict[str, int] = {}
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception as error:  # no driver, no library: NVMLError_LibraryNotFound and the like
+            self.nvml, self.why = None, f"no NVIDIA driver on this machine ({error})"
+            return
+        self.nvml = pynvml
+
+    @property
+    def available(self) -> bool:
+        return self.nvml is not None
+
+    def reading(self, cards: list[str], pids: set[int]) -> GPUReading:
+        if self.nvml is None:
+            return GPUReading(None, self.why)
+        if not cards:
+            return GPUReading(None, "the server holds no card")
+        nvml, highest, memory = self.nvml, 0.0, 0
+        for uuid in cards:
+            try:
+                handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+            except nvml.NVMLError as error:
+                return GPUReading(None, f"NVML does not know card {uuid} ({error})")
+            try:
+                for process in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                    if process.pid in pids and process.usedGpuMemory:
+                        memory += process.usedGpuMemory
+            except nvml.NVMLError:
+                pass
+            try:
+                samples = nvml.nvmlDeviceGetProcessUtilization(handle, self._last.get(uuid, 0))
+            except nvml.NVMLError_NotFound:
+                samples = []  # no process ran a kernel on this card since the last look
+            except nvml.NVMLError_NotSupported:
+                return GPUReading(None, f"card {uuid} gives no per-process samples (MIG or time-slicing): "
+                                        "its GPU use is unknown")
+            except nvml.NVMLError as error:
+                return GPUReading(None, f"NVML failed on card {uuid} ({error})")
+            for sample in samples:
+                self._last[uuid] = max(self._last.get(uuid, 0), int(sample.timeStamp))
+                if sample.pid in pids:
+                    highest = max(highest, float(sample.smUtil))
+        return GPUReading(highest, f"holds {memory // 2**20} MiB of GPU memory" if memory else "")
+
+
+# --- GPU use from metrics (Kubernetes: HAMi) ------------------------------------------------------------------
+
+
+class HAMiMetrics:
+    """HAMi's per-container GPU metrics, read in Prometheus' text format from `urls` (HAMi's vGPU monitor on each
+    node, port 9394, or a Prometheus server's `/federate?match[]=...`), once per culling pass."""
+
+    def __init__(self, urls: list[str], timeout: float = 10):
+        self.urls, self.timeout = list(urls), timeout
+        self.by_pod: dict[tuple[str, str], tuple[float, float | None]] = {}
+        self.errors: list[str] = []
+
+    def refresh(self) -> None:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        utilization: dict[tuple[str, str], float] = {}
+        last_kernel: dict[tuple[str, str], float] = {}
+        self.errors = []
+        for url in self.urls:
+            try:
+                with urllib.request.urlopen(url, timeout=self.timeout) as answer:
+                    text = answer.read().decode()
+                families = list(text_string_to_metric_families(text))
+            except (OSError, ValueError) as error:
+                self.errors.append(f"{url}: {error}")
+                continue
+            for family in families:
+                for sample in family.samples:
+                    pod = (sample.labels.get("podnamespace", ""), sample.labels.get("podname", ""))
+                    if not pod[1]:
+                        continue
+                    if sample.name == HAMI_UTILIZATION:
+                        utilization[pod] = max(utilization.get(pod, 0.0), sample.value)
+                    elif sample.name == HAMI_LAST_KERNEL:
+                        last_kernel[pod] = min(last_kernel.get(pod, sample.value), sample.value)
+        self.by_pod = {pod: (utilization.get(pod, 0.0), last_kernel.get(pod))
+                       for pod in set(utilization) | set(last_kernel)}
+
+    def reading(self, namespace: str, pod: str, interval_s: float) -> GPUReading:
+        """The pod's utilisation; a kernel run since the last pass (`interval_s` ago) counts as busy too."""
+        found = self.by_pod.get((namespace, pod))
+        if found is None:
+            problem = f" ({'; '.join(self.errors)})" if self.errors else ""
+            return GPUReading(None, f"no HAMi metrics for pod {namespace}/{pod}{problem}")
+        percent, since_kernel = found
+        if since_kernel is not None and since_kernel <= interval_s:
+            percent = max(percent, 100.0)  # ran a kernel since the last look
+        note = f"last kernel {since_kernel:.0f} s ago" if since_kernel is not None else ""
+        return GPUReading(percent, note)
+
+
+# --- Jupyter's own activity -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JupyterActivity:
+    busy_kernels: int | None
+    last_activity: datetime | None
+    note: str = ""
+
+
+def _when(text: str | None) -> datetime | None:
+    if not text:
+        return None
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def jupyter_activity(server_url: str, token: str, timeout: float = 10) -> JupyterActivity:
+    """Kernels and terminals of the Jupyter server at `server_url` (`http://proxy/user/NAME/`), asked with a
+    token that may access the server (`access:servers`). Blocking: call it from a thread."""
+    def get(path: str):
+        request = urllib.request.Request(server_url.rstrip("/") + path,
+                                         headers={"Authorization": f"token {token}", "Accept": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return json.loads(answer.read() or b"null")
+
+    try:
+        kernels = get("/api/kernels")
+    except (OSError, ValueError) as error:
+        return JupyterActivity(None, None, f"Jupyter's API did not answer ({error})")
+    try:
+        terminals = get("/api/terminals")
+    except (OSError, ValueError):
+        terminals = []  # terminals off: kernels still tell
+    busy = sum(1 for kernel in kernels if kernel.get("execution_state") == "busy")
+    moments = [m for m in (_when(item.get("last_activity")) for item in [*kernels, *terminals]) if m is not None]
+    return JupyterActivity(busy, max(moments) if moments else None)
