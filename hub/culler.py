@@ -285,8 +285,9 @@ class IdleCuller(Application):
         signals = await asyncio.to_thread(self.signals, run, user, name, server)
         now = periods.utcnow()
         known = await asyncio.to_thread(self.store.get, run)
-        record = known.record if known is not None else IdleRecord(started=_started(server),
-                                                                   last_active=_started(server))
+        # A server first seen has its whole `after_minutes` from now (it may have started a while ago, before
+        # this culler ran): idle since it was first seen, never since before.
+        record = known.record if known is not None else IdleRecord(started=_started(server), last_active=now)
         label = f"{user['name']}'s server {name!r}" if name else f"{user['name']}'s server"
         decision = decide(rule, signals, record, now, label)
         seen = {"action": str(decision.action), "cause": decision.cause,

@@ -106,8 +106,7 @@ def decide(rule: Idle, signals: Signals, record: IdleRecord, now: datetime, serv
     if active(rule, signals):
         last = now
     if last > record.last_active:
-        # Active again: the idle stretch (and its warning) is over; a keep still granted stays.
-        record = replace(record, last_active=last, warned_at=None, warned_for=None)
+        record = replace(record, last_active=last)
     if not rule.enabled:
         return Decision(Action.EXEMPT, record, None)
 
@@ -116,12 +115,15 @@ def decide(rule: Idle, signals: Signals, record: IdleRecord, now: datetime, serv
         cull_at, cause = record.started + hours(rule.max_age_hours), "max-age"
     if record.keep_until is not None and record.keep_until > cull_at:
         cull_at = record.keep_until
+    if record.warned_for is not None and record.warned_for < cull_at:
+        # Postponed since the warning (active again, or kept): that warning is over; a new one comes if due.
+        record = replace(record, warned_at=None, warned_for=None)
     warn_at = cull_at - minutes(rule.warn_minutes)
 
     if now < warn_at:
         action = Action.ACTIVE if last == now else Action.IDLE
         return Decision(action, record, cull_at, cause)
-    warned = record.warned_at is not None and record.warned_for is not None and record.warned_for >= cull_at
+    warned = record.warned_for is not None
     if not warned:
         # Never stopped unwarned: a culler that was down past the stop time warns first, and stops later.
         cull_at = max(cull_at, now + minutes(rule.warn_minutes))
@@ -148,7 +150,8 @@ class KeepRefused(Exception):
 
 
 def keep(rule: Idle, record: IdleRecord, now: datetime, wanted: timedelta) -> IdleRecord:
-    """Postpone the stop of a server by `wanted` from now, within what its rule still allows."""
+    """Postpone the stop of a server by `wanted` (from now, or from the end of a keep still running), within what
+    its rule still allows."""
     if wanted <= timedelta(0):
         raise KeepRefused("keep it for a positive time, e.g. 1 hour")
     left = hours(rule.keep_max_hours) - record.kept
@@ -158,7 +161,6 @@ def keep(rule: Idle, record: IdleRecord, now: datetime, wanted: timedelta) -> Id
         raise KeepRefused(f"this server has been kept {_say(record.kept)} already, the most its policy allows "
                           f"(keep_max_hours: {rule.keep_max_hours})")
     granted = min(wanted, left)
-    until = now + granted
-    if record.keep_until is not None and record.keep_until > until:
-        return record
+    # Kept again while a keep runs: the new time adds to it.
+    until = max(now, record.keep_until or now) + granted
     return replace(record, keep_until=until, kept=record.kept + granted, warned_at=None, warned_for=None)
