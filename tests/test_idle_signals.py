@@ -1,0 +1,148 @@
+"""The idle culler's signals, each against the real thing where it runs here: HAMi's metric names served by a real
+`prometheus_client` exporter (the Kubernetes path), the process table (CPU of a server's process tree), a real
+Jupyter server's API (kernels); NVML through a TEST DOUBLE (no GPU here; `--gpu` runs tests/test_gpu.py for real).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+from prometheus_client import CollectorRegistry, Gauge, start_http_server
+
+from gpupool.hub.harness import free_port_block
+from gpupool.hub.idle_signals import (
+    HAMI_LAST_KERNEL, HAMI_UTILIZATION, CPUMeter, HAMiMetrics, NVMLGPU, ProcessTree, jupyter_activity,
+)
+
+LABELS = ["podnamespace", "podname", "ctrname", "vdeviceid", "deviceuuid"]
+
+
+@pytest.fixture
+def hami_exporter():
+    """HAMi's vGPU monitor's per-container metrics, by their names and labels, served by prometheus_client."""
+    registry = CollectorRegistry()
+    utilization = Gauge(HAMI_UTILIZATION, "Container device utilization description", LABELS, registry=registry)
+    last_kernel = Gauge(HAMI_LAST_KERNEL, "Container device last kernel description", LABELS, registry=registry)
+    memory = Gauge("vGPU_device_memory_usage_in_bytes", "vGPU device usage", LABELS, registry=registry)
+    port = free_port_block(1)
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    yield f"http://127.0.0.1:{port}/metrics", utilization, last_kernel, memory
+    server.shutdown()
+    thread.join(5)
+
+
+def test_hami_metrics_give_each_pods_own_gpu_use(hami_exporter):
+    url, utilization, last_kernel, memory = hami_exporter
+    busy = ("users", "jupyter-alice", "notebook", "0", "GPU-aaaa")
+    idle = ("users", "jupyter-bob", "notebook", "0", "GPU-aaaa")  # the same card: its neighbour's use is not bob's
+    utilization.labels(*busy).set(63)
+    last_kernel.labels(*busy).set(2)
+    utilization.labels(*idle).set(0)
+    last_kernel.labels(*idle).set(5400)
+    memory.labels(*idle).set(8 * 2**30)  # holding memory is not using the GPU
+    # A pod with two shares (two cards): the busier one counts.
+    utilization.labels("users", "jupyter-carol", "notebook", "0", "GPU-bbbb").set(0)
+    utilization.labels("users", "jupyter-carol", "notebook", "1", "GPU-cccc").set(40)
+    last_kernel.labels("users", "jupyter-dave", "notebook", "0", "GPU-dddd").set(1)  # a kernel since the last pass
+
+    metrics = HAMiMetrics([url])
+    metrics.refresh()
+    assert metrics.reading("users", "jupyter-alice", 60).percent == 100.0  # a kernel 2 s ago: busy
+    bob = metrics.reading("users", "jupyter-bob", 60)
+    assert bob.percent == 0.0 and bob.note == "last kernel 5400 s ago"
+    assert metrics.reading("users", "jupyter-carol", 60).percent == 40.0
+    assert metrics.reading("users", "jupyter-dave", 60).percent == 100.0
+    unknown = metrics.reading("other", "jupyter-alice", 60)  # another namespace's pod of that name
+    assert unknown.percent is None and "no HAMi metrics for pod other/jupyter-alice" in unknown.note
+
+
+def test_hami_metrics_that_do_not_answer_leave_the_signal_unknown():
+    metrics = HAMiMetrics([f"http://127.0.0.1:{free_port_block(1)}/metrics"], timeout=2)
+    metrics.refresh()
+    reading = metrics.reading("users", "jupyter-alice", 60)
+    assert reading.percent is None and "Connection refused" in reading.note
+
+
+def test_cpu_of_a_process_tree_busy_and_sleeping():
+    sleeping = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    # A parent that sleeps while its child computes: the tree is busy.
+    busy = subprocess.Popen([sys.executable, "-c", "import subprocess, sys; subprocess.run([sys.executable, '-c', "
+                                                  "'while True: pass'])"])
+    try:
+        meter = CPUMeter()
+        trees = {name: ProcessTree(p.pid, psutil.Process(p.pid).create_time())
+                 for name, p in (("sleeping", sleeping), ("busy", busy))}
+        deadline = time.monotonic() + 30
+        while len(trees["busy"].processes()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        first = {name: meter.percent(name, tree.processes()) for name, tree in trees.items()}
+        assert first["busy"] == (None, "first look: CPU use is measured from the next one")
+        time.sleep(1.5)
+        second = {name: meter.percent(name, tree.processes())[0] for name, tree in trees.items()}
+        assert second["sleeping"] == 0.0 and second["busy"] > 0.0
+        # A PID whose start time is not the server's is not the server (a reused PID).
+        assert ProcessTree(sleeping.pid, psutil.Process(sleeping.pid).create_time() - 100).processes() == []
+    finally:
+        for process in (sleeping, busy):
+            for child in psutil.Process(process.pid).children(recursive=True):
+                child.kill()
+            process.kill()
+            process.wait()
+
+
+def test_nvml_per_process_samples_through_the_double(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("pynvml", Path(__file__).parent / "nvml_double" / "pynvml.py")
+    double = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(double)
+    samples = tmp_path / "samples.json"
+    samples.write_text(json.dumps({"cards": ["GPU-0", "GPU-1"], "utilization": {"101": 70, "202": 0},
+                                   "memory": {"202": 3 * 2**30}}))
+    monkeypatch.setenv("GPUPOOL_NVML_DOUBLE", str(samples))
+    monkeypatch.setitem(sys.modules, "pynvml", double)
+    gpu = NVMLGPU()
+    assert gpu.available
+    assert gpu.reading(["GPU-0"], {101, 102}).percent == 70.0
+    holding = gpu.reading(["GPU-1"], {202})
+    assert holding.percent == 0.0 and holding.note == "holds 3072 MiB of GPU memory"
+    assert gpu.reading(["GPU-9"], {101}).percent is None  # a card NVML does not know: unknown, not idle
+    assert gpu.reading([], {101}).note == "the server holds no card"
+
+
+def test_without_a_driver_the_gpu_signal_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # the import fails, as on a machine without nvidia-ml-py
+    gpu = NVMLGPU()
+    reading = gpu.reading(["GPU-0"], {1})
+    assert not gpu.available and reading.percent is None and reading.note.startswith("no NVIDIA driver")
+
+
+def test_jupyter_activity_from_a_real_server(tmp_path):
+    port = free_port_block(1)
+    token = "signals-test-token"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyter_server", f"--port={port}", "--no-browser", f"--IdentityProvider.token={token}",
+         f"--ServerApp.root_dir={tmp_path}", "--ServerApp.ip=127.0.0.1", "--allow-root"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + 120
+        while (found := jupyter_activity(url, token, timeout=5)).busy_kernels is None:
+            assert time.monotonic() < deadline, found.note
+            time.sleep(0.5)
+        assert found.busy_kernels == 0 and found.last_activity is None  # no kernel, no terminal yet
+        started = requests.post(f"{url}api/kernels", json={}, headers={"Authorization": f"token {token}"}, timeout=60)
+        assert started.status_code == 201, started.text
+        with_kernel = jupyter_activity(url, token, timeout=30)
+        assert with_kernel.busy_kernels in (0, 1) and with_kernel.last_activity is not None  # starting: activity
+        wrong = jupyter_activity(url, "not-the-token", timeout=5)
+        assert wrong.busy_kernels is None and "did not answer" in wrong.note
+    finally:
+        server.terminate()
+        server.wait(30)
