@@ -12,13 +12,16 @@ executes (`idle_signals`), judged against the server's `idle` rule in the polici
    run's interval then ends `culled`, and the share goes to the head of the queue at once.
 
 Its hub scopes (README, "Scopes of the services"): `list:users`, `read:users:name`, `read:servers`,
-`admin:server_state` (a server's PID, cards and ledger run), `delete:servers` (the stop) and `access:servers`
-(the kernels' state, asked of each server's own Jupyter API).
+`admin:server_state` (a server's PID, cards and ledger run), `delete:servers` (the stop) and `tokens`: the kernels'
+state is asked of each server's own Jupyter API with a token the culler makes for that server's user, limited to
+that server (`access:servers!server=USER/NAME`) and to an hour. Its own token never goes to a user's server, where
+the user's code could read it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
@@ -26,6 +29,7 @@ import time
 import urllib.parse
 from dataclasses import asdict
 from datetime import datetime, timedelta
+from fractions import Fraction
 
 from jupyterhub.services.auth import HubOAuthCallbackHandler
 from markupsafe import Markup
@@ -40,7 +44,7 @@ from gpupool.hub.accounting.culls import IdleServer, IdleStore
 from gpupool.hub.accounting.idleness import Action, IdleRecord, KeepRefused, Signals, decide, keep
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.service import MAX_BODY_BYTES, AccountingHandler, HealthHandler, NotFoundHandler, page_templates
-from gpupool.hub.idle_signals import CPUMeter, HAMiMetrics, NVMLGPU, ProcessTree, jupyter_activity
+from gpupool.hub.idle_signals import CPUMeter, HAMiMetrics, NVMLGPU, ProcessTable, ProcessTree, jupyter_activity
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults
 from gpupool.policies.resources import profile_share
 
@@ -48,6 +52,8 @@ log = logging.getLogger("gpupool.culler")
 
 #: Hours a "keep it" asks for when the request names none.
 DEFAULT_KEEP_HOURS = 1
+#: How long the culler's token for one server's Jupyter API lives; a new one is made when less than a tenth is left.
+SERVER_TOKEN_SECONDS = 3600
 
 
 class Metrics:
@@ -175,6 +181,21 @@ class IdleCuller(Application):
         self.hami = HAMiMetrics(self.hami_metrics_urls) if self.gpu_source == "hami" else None
         self.http = AsyncHTTPClient()
         self._pass_lock = asyncio.Lock()
+        # The looks block (NVML, /proc, the servers' API): their own threads, as many as `concurrency`.
+        self.threads = concurrent.futures.ThreadPoolExecutor(self.concurrency, thread_name_prefix="culler-look")
+        self._server_tokens: dict[tuple[str, str], tuple[str, float]] = {}
+        self._table: ProcessTable | None = None
+
+    async def server_token(self, user: str, name: str) -> str:
+        """A token of `user` that may access their server `name` and nothing else, made by the hub (cached)."""
+        cached = self._server_tokens.get((user, name))
+        if cached is not None and cached[1] - time.monotonic() > SERVER_TOKEN_SECONDS / 10:
+            return cached[0]
+        _, made = await self.hub("POST", f"/users/{urllib.parse.quote(user)}/tokens", body=json.dumps({
+            "scopes": [f"access:servers!server={user}/{name}"], "expires_in": SERVER_TOKEN_SECONDS,
+            "note": f"gpupool-culler: the kernels of server {user}/{name}"}))
+        self._server_tokens[(user, name)] = (made["token"], time.monotonic() + SERVER_TOKEN_SECONDS)
+        return made["token"]
 
     @property
     def policy(self):
@@ -217,8 +238,11 @@ class IdleCuller(Application):
             except Exception as error:
                 self.log.error("the hub did not list the servers (%s): no culling this pass", error)
                 return
+            loop = asyncio.get_running_loop()
             if self.hami is not None:
-                await asyncio.to_thread(self.hami.refresh)
+                await loop.run_in_executor(self.threads, self.hami.refresh)
+            if self.cpu or self.gpu is not None:
+                self._table = await loop.run_in_executor(self.threads, ProcessTable)
             gate = asyncio.Semaphore(self.concurrency)
 
             async def one(user, name, server):
@@ -232,6 +256,9 @@ class IdleCuller(Application):
             outcomes = await asyncio.gather(*(one(*s) for s in servers))
             runs = {o[0] for o in outcomes if o}
             self.cpu_meter.forget_except(runs)
+            listed = {(user["name"], name) for user, name, _ in servers}
+            for gone in set(self._server_tokens) - listed:
+                del self._server_tokens[gone]
             idle: dict[str, tuple[int, float]] = {}
             for outcome in outcomes:
                 if outcome and outcome[1] is not Action.ACTIVE and outcome[1] is not Action.EXEMPT:
@@ -247,12 +274,13 @@ class IdleCuller(Application):
             self.log.info("pass: %d servers looked at, %d idle, in %.2f s", len(servers),
                           sum(c for c, _ in idle.values()), took)
 
-    def signals(self, run: str, user: dict, name: str, server: dict) -> Signals:
-        """What the server did since the last look (blocking: NVML, /proc and the server's API)."""
+    def signals(self, run: str, user: dict, name: str, server: dict, token: str) -> Signals:
+        """What the server did since the last look (blocking: NVML, /proc and the server's API, asked with
+        `token`, the server's own)."""
         state = server.get("state") or {}
         gpu = cpu = None
         gpu_note = cpu_note = ""
-        tree = ProcessTree(state.get("pid"), state.get("pid_started"))
+        tree = ProcessTree(state.get("pid"), state.get("pid_started"), self._table)
         processes = tree.processes() if (self.cpu or self.gpu is not None) else []
         if self.cpu:
             cpu, cpu_note = self.cpu_meter.percent(run, processes) if state.get("pid") else (
@@ -268,7 +296,9 @@ class IdleCuller(Application):
         else:
             gpu_note = "no GPU signal configured (gpu_source: none)"
         url = self.public_url.rstrip("/") + server["url"]
-        jupyter = jupyter_activity(url, self.api_token)
+        jupyter = jupyter_activity(url, token)
+        if jupyter.busy_kernels is None:
+            self._server_tokens.pop((user["name"], name), None)  # refused, or expired early: a new one next time
         return Signals(gpu_percent=gpu, gpu_note=gpu_note, cpu_percent=cpu, cpu_note=cpu_note,
                        busy_kernels=jupyter.busy_kernels, jupyter_activity=jupyter.last_activity,
                        jupyter_note=jupyter.note)
@@ -282,7 +312,14 @@ class IdleCuller(Application):
         team, profile = options
         policy = self.policy
         rule = policy.idle_rule(team, profile)
-        signals = await asyncio.to_thread(self.signals, run, user, name, server)
+        try:
+            token = await self.server_token(user["name"], name)
+        except HTTPClientError as error:
+            self.log.error("the hub made no token for %s/%s's kernels (%s): looked at without them", user["name"],
+                           name, error)
+            token = ""
+        signals = await asyncio.get_running_loop().run_in_executor(
+            self.threads, self.signals, run, user, name, server, token)
         now = periods.utcnow()
         known = await asyncio.to_thread(self.store.get, run)
         # A server first seen has its whole `after_minutes` from now (it may have started a while ago, before
@@ -296,16 +333,20 @@ class IdleCuller(Application):
                 "message": decision.message,
                 "signals": {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in asdict(signals).items()}}
         await asyncio.to_thread(self.store.save, run, user["name"], name, team, profile, decision.record, now, seen)
-        display = policy.profiles[profile].display_name if profile in policy.profiles else profile
+        chosen = policy.profiles.get(profile)
+        share = profile_share(chosen, policy) if chosen is not None and chosen.gpu is not None else Fraction(0)
+        if known is not None and share and decision.record.last_active < now:
+            # Idle since the last look (or since its last activity, if that came after): for the reports.
+            await asyncio.to_thread(self.store.add_idle, run, team, chosen.gpu.model, share,
+                                    max(known.seen_at, decision.record.last_active), now)
+        display = chosen.display_name if chosen is not None else profile
         if decision.action is Action.WARN:
             self.metrics.warned.labels(team).inc()
             self.log.warning("warned: %s", decision.message)
             self.webhook(policy, "idle-warning", user["name"], name, team, display, decision)
         elif decision.action is Action.CULL:
             await self.cull(user["name"], name, run, team, display, decision)
-        chosen = policy.profiles.get(profile)
-        share = float(profile_share(chosen, policy)) if chosen is not None and chosen.gpu is not None else 0.0
-        return run, decision.action, team, share
+        return run, decision.action, team, float(share)
 
     async def cull(self, user: str, name: str, run: str, team: str, display: str, decision) -> None:
         # Asked for in the ledger first: the interval the stop closes then ends `culled`.

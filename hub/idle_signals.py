@@ -32,12 +32,30 @@ HAMI_LAST_KERNEL = "Device_last_kernel_of_container"
 # --- the server's processes (embedded) ----------------------------------------------------------------------
 
 
+class ProcessTable:
+    """Who is whose child, read once (a pass of the culler reads the process table once, not once per server)."""
+
+    def __init__(self):
+        self.children: dict[int, list[int]] = {}
+        for process in psutil.process_iter(["ppid"]):
+            self.children.setdefault(process.info["ppid"] or 0, []).append(process.pid)
+
+    def descendants(self, pid: int) -> list[int]:
+        found, todo = [], list(self.children.get(pid, ()))
+        while todo:
+            child = todo.pop()
+            found.append(child)
+            todo.extend(self.children.get(child, ()))
+        return found
+
+
 class ProcessTree:
     """The processes of a server started as PID `pid` at `started` (seconds since the epoch, as the spawner
-    records it): empty when that process is gone (a PID reused since is not the server)."""
+    records it): empty when that process is gone (a PID reused since is not the server). With a `table`, its
+    descendants come from that snapshot; without, from the process table now."""
 
-    def __init__(self, pid: int | None, started: float | None):
-        self.pid, self.started = pid, started
+    def __init__(self, pid: int | None, started: float | None, table: ProcessTable | None = None):
+        self.pid, self.started, self.table = pid, started, table
 
     def processes(self) -> list[psutil.Process]:
         if not self.pid:
@@ -46,9 +64,17 @@ class ProcessTree:
             root = psutil.Process(self.pid)
             if self.started is not None and abs(root.create_time() - self.started) > 1:
                 return []
-            return [root, *root.children(recursive=True)]
+            if self.table is None:
+                return [root, *root.children(recursive=True)]
         except psutil.Error:
             return []
+        found = [root]
+        for pid in self.table.descendants(self.pid):
+            try:
+                found.append(psutil.Process(pid))
+            except psutil.Error:
+                continue  # ended since the snapshot
+        return found
 
 
 class CPUMeter:
@@ -225,7 +251,8 @@ def _when(text: str | None) -> datetime | None:
 
 def jupyter_activity(server_url: str, token: str, timeout: float = 10) -> JupyterActivity:
     """Kernels and terminals of the Jupyter server at `server_url` (`http://proxy/user/NAME/`), asked with a
-    token that may access the server (`access:servers`). Blocking: call it from a thread."""
+    token of the server's user that may access that server alone (the server can read it: it must give nothing
+    its user does not have). Blocking: call it from a thread."""
     def get(path: str):
         request = urllib.request.Request(server_url.rstrip("/") + path,
                                          headers={"Authorization": f"token {token}", "Accept": "application/json"})

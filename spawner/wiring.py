@@ -29,13 +29,15 @@ MLFLOW_SCOPES: tuple[str, ...] = ()
 CULLER_SERVICE = "culler"
 CULLER_ROLE = "gpupool-culler"
 #: The idle culler's scopes: which servers run (`read:servers`), with their state (`admin:server_state`: PID,
-#: cards, ledger run), their kernels (`access:servers`, asked of each server's Jupyter API), and the stop.
-CULLER_SCOPES = ("list:users", "read:users:name", "read:servers", "admin:server_state", "access:servers",
-                 "delete:servers")
+#: cards, ledger run), the stop (`delete:servers`), and `tokens`: to ask a server's Jupyter API about its kernels
+#: it makes that server's user a token for that one server (`access:servers!server=USER/NAME`, an hour), so that
+#: its own token never reaches a server, where its user's code runs.
+CULLER_SCOPES = ("list:users", "read:users:name", "read:servers", "admin:server_state", "delete:servers", "tokens")
 #: What a user server's own API token ($JUPYTERHUB_API_TOKEN, also $MLFLOW_TRACKING_TOKEN) may do: JupyterHub's
-#: default `server` role, plus calling the MLflow service.
+#: default `server` role, plus calling the MLflow service, the jobs service and the idle culler (JupyterLab's
+#: warning before a stop, and its "keep it": gpupool.hub.lab_idle).
 SERVER_TOKEN_SCOPES = ("users:activity!user", "access:servers!server", f"access:services!service={MLFLOW_SERVICE}",
-                       f"access:services!service={JOBS_SERVICE}")
+                       f"access:services!service={JOBS_SERVICE}", f"access:services!service={CULLER_SERVICE}")
 #: What a training job's run's own token may do: call the MLflow service and the jobs service, nothing else.
 JOB_TOKEN_SCOPES = (f"access:services!service={MLFLOW_SERVICE}", f"access:services!service={JOBS_SERVICE}")
 

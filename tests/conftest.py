@@ -45,7 +45,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 E2E_MODULES = frozenset({
     "test_accounting_restart", "test_accounting_service", "test_cli_team", "test_concurrent_spawns",
     "test_datasets", "test_embedded", "test_gpu", "test_helm", "test_identity_hub", "test_jobs_embedded", "test_journey",
-    "test_availability", "test_kube_cluster",
+    "test_availability", "test_kube_cluster", "test_culler", "test_idle_signals", "test_lab_idle",
     "test_jupyterhub_contract", "test_lifecycle", "test_mlflow_service", "test_named_servers", "test_queue_restart",
     "test_server_env", "test_spawner_contract", "test_system_users", "test_team_terminals",
 })

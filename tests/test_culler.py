@@ -11,15 +11,19 @@ as the hub starts it, with its README scopes, and reads GPU use through a TEST D
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
+from fractions import Fraction
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
 import requests
 
+from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
+from gpupool.hub.accounting.service import idle_report
 from gpupool.hub.harness import Hub
 
 DOUBLE = Path(__file__).resolve().parent / "nvml_double"
@@ -147,6 +151,12 @@ def test_idle_servers_are_warned_then_culled_busy_ones_kept_and_keep_it_is_bound
     warned = wait_for(lambda: seen_by_culler(hub, tokens["alice"]).get("state") in ("warn", "warned")
                       and seen_by_culler(hub, tokens["alice"]), message="alice's server was never warned")
     assert "will be stopped at" in warned["message"] and warned["signals"]["gpu_percent"] == 0
+    assert warned["signals"]["busy_kernels"] == 0, warned  # her server's Jupyter API answered the culler ...
+    # ... which asked with a token of hers for that one server, never with its own (a server can read it).
+    made = [t for t in hub.api("GET", "/users/alice/tokens").json()["api_tokens"] if "gpupool-culler" in t["note"]]
+    # (JupyterHub adds a token's owner's own name and groups, which every token of hers may read.)
+    assert made and all(set(t["scopes"]) == {"access:servers!server=alice/", "read:users:name!user=alice",
+                                             "read:users:groups!user=alice"} for t in made), made
     home = sessions["alice"].get(f"{hub.url}/hub/home", timeout=60).text
     assert 'id="gpupool-idle-warning"' in home and "will be stopped at" in home
     assert "gpupool-idle-warning" not in sessions["carol"].get(f"{hub.url}/hub/home", timeout=60).text
@@ -161,10 +171,11 @@ def test_idle_servers_are_warned_then_culled_busy_ones_kept_and_keep_it_is_bound
     assert ("idle-warning", "alice") in kinds and ("idle-cull", "alice") in kinds
     assert kinds.index(("idle-warning", "alice")) < kinds.index(("idle-cull", "alice"))
 
-    # carol's busy server was seen busy at every look, and never warned.
+    # carol's busy server was seen busy at every look, and never warned; her home page says so.
     carol = seen_by_culler(hub, tokens["carol"])
     assert carol["state"] == "active" and carol["signals"]["gpu_percent"] == 60, carol
     assert hub.server("carol") is not None and not any(user == "carol" for _, user in kinds)
+    assert re.search(r'class="gpupool-idle">in use<', sessions["carol"].get(f"{hub.url}/hub/home", timeout=60).text)
 
     # bob: warned in turn; he keeps it, within the policy's 0.01 h (36 s) in all.
     wait_for(lambda: seen_by_culler(hub, tokens["bob"]).get("state") in ("warn", "warned"),
@@ -189,6 +200,13 @@ def test_idle_servers_are_warned_then_culled_busy_ones_kept_and_keep_it_is_bound
     assert [i.how for i in bob] == [HowEnded.CULLED]
     assert bob[0].end.isoformat() >= keep_until[:19]
     assert sum(1 for body in received if body == {**body, "kind": "idle-warning", "user": "bob"}) >= 2
+
+    # The team's page and the reports: idle GPU-hours held, two servers culled, GPU-hours given back.
+    figures = idle_report(ledger, periods.period_of(periods.utcnow()))["vision"]
+    assert figures["culled_servers"] == 2 and Fraction(figures["idle_gpu_hours"]) > 0, figures
+    assert 0 < Fraction(figures["reclaimed_gpu_hours"]) and 0 < float(figures["idle_share"]) < 1, figures
+    page = sessions["carol"].get(f"{hub.url}/services/accounting/teams/vision", timeout=60).text
+    assert "the idle culler stopped 2 servers, giving back" in page
 
 
 def _today():

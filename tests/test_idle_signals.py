@@ -19,7 +19,8 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from gpupool.hub.harness import free_port_block
 from gpupool.hub.idle_signals import (
-    HAMI_LAST_KERNEL, HAMI_UTILIZATION, CPUMeter, HAMiMetrics, NVMLGPU, ProcessTree, jupyter_activity,
+    HAMI_LAST_KERNEL, HAMI_UTILIZATION, CPUMeter, HAMiMetrics, NVMLGPU, ProcessTable, ProcessTree,
+    jupyter_activity,
 )
 
 LABELS = ["podnamespace", "podname", "ctrname", "vdeviceid", "deviceuuid"]
@@ -83,6 +84,9 @@ def test_cpu_of_a_process_tree_busy_and_sleeping():
         deadline = time.monotonic() + 30
         while len(trees["busy"].processes()) < 2 and time.monotonic() < deadline:
             time.sleep(0.1)
+        # The busy tree read from one snapshot of the process table, as a culling pass reads it.
+        trees["busy"] = ProcessTree(busy.pid, psutil.Process(busy.pid).create_time(), ProcessTable())
+        assert len(trees["busy"].processes()) == 2
         first = {name: meter.percent(name, tree.processes()) for name, tree in trees.items()}
         assert first["busy"] == (None, "first look: CPU use is measured from the next one")
         time.sleep(1.5)

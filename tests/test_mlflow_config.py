@@ -44,9 +44,11 @@ def test_a_servers_mlflow_environment_and_token_scopes():
         "MLFLOW_EXPERIMENT_NAME": "vision", "MLFLOW_DISABLE_TELEMETRY": "true",
     }
     assert "MLFLOW_EXPERIMENT_NAME" not in mlflow_env("http://hub/services/mlflow/", "tok", None)
-    # JupyterHub's default `server` role, plus calling MLflow and the jobs service (`gpupool jobs`): nothing else.
+    # JupyterHub's default `server` role, plus calling MLflow, the jobs service (`gpupool jobs`) and the idle
+    # culler (JupyterLab's warning before a stop, gpupool.hub.lab_idle): nothing else.
     assert set(SERVER_TOKEN_SCOPES) == {"users:activity!user", "access:servers!server",
-                                        "access:services!service=mlflow", "access:services!service=jobs"}
+                                        "access:services!service=mlflow", "access:services!service=jobs",
+                                        "access:services!service=culler"}
     from gpupool.spawner.kube import GPUKubeSpawner
     from gpupool.spawner.local import LocalGPUSpawner
 
@@ -74,6 +76,6 @@ def test_the_team_root_is_one_setting_for_the_servers_and_the_datasets_tab(tmp_p
 def test_without_mlflow_there_is_no_service_role_or_server_variables(tmp_path):
     c = Config()
     apply_config(c, Settings(state_dir=tmp_path, mlflow=False))
-    assert [s["name"] for s in c.JupyterHub.services] == ["gpupool-queue", "accounting", "jobs"]
+    assert [s["name"] for s in c.JupyterHub.services] == ["gpupool-queue", "accounting", "jobs", "culler"]
     assert "gpupool-mlflow" not in {r["name"] for r in c.JupyterHub.load_roles}
     assert c.LocalGPUSpawner.mlflow_url == ""

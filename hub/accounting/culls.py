@@ -11,15 +11,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from fractions import Fraction
 from typing import Any
 
 import sqlalchemy as sa
 
-from gpupool.hub.accounting import db
+from gpupool.hub.accounting import db, periods
 from gpupool.hub.accounting.idleness import IdleRecord
 
 IDLE = db.IdleServer.__table__
+IDLE_TIME = db.IdleTime.__table__
 INTERVALS = db.UsageInterval.__table__
+#: "Reclaimed" GPU-hours of a cull: the share × the time until its user started a server of that team again, at
+#: most this long (and never past the period's end): what the idle server would have held had nobody stopped it.
+RECLAIM_CAP = timedelta(hours=24)
 
 
 @dataclass(frozen=True)
@@ -116,3 +121,62 @@ class IdleStore:
         with self._writer.begin() as connection:
             connection.execute(IDLE.update().where(IDLE.c.run == run).values(cull_requested_at=None,
                                                                              cull_reason=""))
+
+    def add_idle(self, run: str, team: str, model: str, share: Fraction, start: datetime, end: datetime) -> None:
+        """`run` sat idle from `start` to `end` (between two looks): added to its idle time, per period."""
+        if end <= start:
+            return
+        share = Fraction(share)
+        with self._writer.begin() as connection:
+            for piece in periods.split_by_month(start, end):
+                seconds = int(piece.duration.total_seconds())
+                if seconds <= 0:
+                    continue
+                key = (IDLE_TIME.c.run == run) & (IDLE_TIME.c.period == piece.period)
+                if connection.execute(IDLE_TIME.update().where(key).values(idle_s=IDLE_TIME.c.idle_s + seconds)
+                                      ).rowcount == 0:
+                    connection.execute(IDLE_TIME.insert().values(
+                        run=run, period=piece.period, team=team, model=model, share_num=share.numerator,
+                        share_den=share.denominator, idle_s=seconds))
+
+
+@dataclass(frozen=True)
+class IdleFigures:
+    """A team's idle GPUs in a period: GPU-hours held while idle, servers culled and GPU-hours culling gave back."""
+
+    idle_gpu_hours: Fraction
+    culled: int
+    reclaimed_gpu_hours: Fraction
+
+
+def idle_figures(engine: sa.Engine, period: str, now: datetime | None = None) -> dict[str, IdleFigures]:
+    """Per team, for `period`: idle GPU-hours (from the culler's looks), servers culled, and GPU-hours reclaimed
+    (`RECLAIM_CAP`: each cull's share until its user started a server of that team again, capped)."""
+    start, end = periods.period_bounds(period)
+    end = min(end, now or periods.utcnow())
+    idle: dict[str, Fraction] = {}
+    with engine.connect() as connection:
+        for row in connection.execute(sa.select(IDLE_TIME).where(IDLE_TIME.c.period == period)):
+            idle[row.team] = idle.get(row.team, Fraction(0)) + periods.gpu_hours(
+                Fraction(row.share_num, row.share_den), row.idle_s)
+        culls = connection.execute(
+            sa.select(IDLE.c.run, IDLE.c.user, IDLE.c.team, IDLE.c.cull_requested_at, INTERVALS.c.share_num,
+                      INTERVALS.c.share_den)
+            .join(INTERVALS, INTERVALS.c.run == IDLE.c.run)
+            .where(IDLE.c.cull_requested_at.is_not(None), INTERVALS.c.how == "culled",
+                   IDLE.c.cull_requested_at >= start, IDLE.c.cull_requested_at < end)).all()
+        culled: dict[str, int] = {}
+        reclaimed: dict[str, Fraction] = {}
+        for cull in culls:
+            culled[cull.team] = culled.get(cull.team, 0) + 1
+            after = cull.cull_requested_at
+            next_start = connection.execute(
+                sa.select(sa.func.min(INTERVALS.c.start_at)).where(
+                    INTERVALS.c.user == cull.user, INTERVALS.c.team == cull.team,
+                    INTERVALS.c.start_at >= after)).scalar()
+            until = min(after + RECLAIM_CAP, end, next_start if next_start is not None else end)
+            seconds = max(0, int((until - after).total_seconds()))
+            reclaimed[cull.team] = reclaimed.get(cull.team, Fraction(0)) + periods.gpu_hours(
+                Fraction(cull.share_num, cull.share_den), seconds)
+    return {team: IdleFigures(idle.get(team, Fraction(0)), culled.get(team, 0), reclaimed.get(team, Fraction(0)))
+            for team in sorted(set(idle) | set(culled))}

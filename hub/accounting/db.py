@@ -281,6 +281,27 @@ class IdleServer(Base):
     )
 
 
+class IdleTime(Base):
+    """Seconds a server run sat idle in a period (UTC month), as the culler saw it between its looks; with the
+    run's share, for the share of held GPU-hours that were idle."""
+
+    __tablename__ = "accounting_idle_time"
+
+    run: Mapped[str] = mapped_column(sa.String(255), primary_key=True)
+    period: Mapped[str] = mapped_column(sa.String(7), primary_key=True)
+    team: Mapped[str] = mapped_column(sa.String(63))
+    model: Mapped[str] = mapped_column(sa.String(63))
+    share_num: Mapped[int] = mapped_column(sa.Integer)
+    share_den: Mapped[int] = mapped_column(sa.Integer)
+    idle_s: Mapped[int] = mapped_column(sa.BigInteger, default=0)
+
+    __table_args__ = (
+        sa.CheckConstraint("idle_s >= 0", name="idle_not_negative"),
+        sa.CheckConstraint("share_num > 0 AND share_den > 0", name="share_positive"),
+        sa.Index(None, "period"),
+    )
+
+
 # --- engines ---------------------------------------------------------------------------------------------
 
 ACCEPTED_URLS = "sqlite:///PATH or postgresql+psycopg://USER@HOST:PORT/DATABASE"

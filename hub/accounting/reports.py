@@ -16,6 +16,7 @@ from fractions import Fraction
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import format_hours, format_share
 from gpupool.hub.accounting.bills import amount, unit_price
+from gpupool.hub.accounting.culls import IdleServer, IdleStore
 from gpupool.hub.accounting.ledger import Ledger, run_key, run_server
 from gpupool.policies.model import Policy
 from gpupool.policies.resources import profile_share
@@ -136,11 +137,15 @@ def job_usage(ledger: Ledger, policy: Policy, holdings: Iterable[str], now: date
 def home_servers(ledger: Ledger, policy: Policy, user: str, servers: Iterable[tuple[str, datetime | None, Mapping]],
                  now: datetime | None = None) -> list[dict[str, str]]:
     """The hub home page's table: each of `user`'s active `servers` (name, the hub's `started`, its checked
-    `user_options`) with its profile, team, GPU share and, from the ledger, its GPU-hours and cost so far.
+    `user_options`) with its profile, team, GPU share and, from the ledger, its GPU-hours and cost so far, and how
+    idle the idle culler saw it last (`idle`: "idle for 12 min", "in use", or "" before its first look).
 
     A server is found in the ledger by its run key, as the spawner wrote it; CPU-only servers cost nothing.
     """
+    servers = list(servers)
     running = {entry["key"]: entry for entry in running_servers(ledger, policy, user, now)}
+    seen = IdleStore(ledger.engine).runs([run_key(user, name, started) for name, started, _ in servers
+                                          if started is not None])
     currency = policy.billing.currency
     rows = []
     for name, started, options in servers:
@@ -155,8 +160,21 @@ def home_servers(ledger: Ledger, policy: Policy, user: str, servers: Iterable[tu
             "gpu": f"{format_share(Fraction(share))} × {profile.gpu.model}" if share and profile.gpu else "no GPU",
             "gpu_hours": entry["gpu_hours"] if entry else "0",
             "cost": money(entry["cost"] if entry else 0, currency),
+            "idle": idle_words(seen.get(run_key(user, name, started)) if started is not None else None),
         })
     return rows
+
+
+def idle_words(server: IdleServer | None) -> str:
+    """How idle the culler saw a server at its last look, for people."""
+    if server is None:
+        return ""
+    minutes = int(server.seen.get("idle_minutes") or 0)
+    if server.seen.get("action") == "active":
+        return "in use"
+    if minutes < 1:
+        return "idle for less than a minute"
+    return f"idle for {minutes} min" if minutes < 120 else f"idle for {minutes // 60} h {minutes % 60} min"
 
 
 def user_usage(ledger: Ledger, policy: Policy, user: str, period: str) -> dict[str, dict[str, Fraction | Decimal]]:

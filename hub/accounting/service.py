@@ -39,6 +39,7 @@ from gpupool.hub import __version__
 from gpupool.hub.accounting import charts, periods
 from gpupool.hub.accounting.admission import format_hours, format_share, reached_alerts
 from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill
+from gpupool.hub.accounting.culls import idle_figures
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.reports import (
     MAX_TOP, daily_utilisation, money, queue_waits, run_label, running_servers, team_daily, top_consumers,
@@ -310,7 +311,23 @@ def admin_report(ledger: Ledger, policy, period: str, top: int) -> dict:
         "queue_waits": queue_waits(ledger, period),
         "top_consumers": top_consumers(ledger, period, top),
         "teams": [team_summary(ledger, policy, t, period, False) for t in policy.teams],
+        "idle": idle_report(ledger, period),
     }
+
+
+def idle_report(ledger: Ledger, period: str, team: str | None = None) -> dict[str, dict[str, str | int]]:
+    """Per team (or `team` alone): GPU-hours held while idle and their share of the GPU-hours held, servers the
+    idle culler stopped and the GPU-hours that gave back (`culls.idle_figures`)."""
+    held = ledger.gpu_hours(period, ("team",))
+    result = {}
+    for name, figures in idle_figures(ledger.engine, period).items():
+        if team is not None and name != team:
+            continue
+        total = held.get((name,), Fraction(0))
+        result[name] = {"idle_gpu_hours": _hours(figures.idle_gpu_hours),
+                        "idle_share": f"{float(figures.idle_gpu_hours / total):.4f}" if total else "0",
+                        "culled_servers": figures.culled, "reclaimed_gpu_hours": _hours(figures.reclaimed_gpu_hours)}
+    return result
 
 
 def team_report(ledger: Ledger, policy, team: str, period: str, top: int, members: bool = True) -> dict:
@@ -320,6 +337,7 @@ def team_report(ledger: Ledger, policy, team: str, period: str, top: int, member
         **team_summary(ledger, policy, team, period, members),
         "daily": team_daily(ledger, team, period),
         "queue_waits": queue_waits(ledger, period, team=team).get(team),
+        "idle": idle_report(ledger, period, team).get(team),
     }
     if members:
         report["top_consumers"] = top_consumers(ledger, period, top, team=team)
@@ -334,6 +352,17 @@ def percent(used: Fraction, of: Fraction) -> str:
     value = float(used / of * 100) if of else 0.0
     text = f"{value:.2f}" if value < 1 else f"{value:.1f}"
     return text.rstrip("0").rstrip(".") + " %"
+
+
+def idle_text(idle: dict | None) -> str:
+    """The team page's line about idle GPUs (the idle culler's figures)."""
+    if not idle:
+        return "No server of the team sat idle on a GPU this period, as far as the idle culler saw."
+    share = percent(Fraction(idle["idle_share"]), Fraction(1))
+    culled = idle["culled_servers"]
+    return (f"{idle['idle_gpu_hours']} GPU-h were held by idle servers ({share} of the team's GPU-hours); "
+            f"the idle culler stopped {culled} server{'' if culled == 1 else 's'}, giving back "
+            f"{idle['reclaimed_gpu_hours']} GPU-h.")
 
 
 def period_name(period: str) -> str:
@@ -387,8 +416,11 @@ class AdminPageHandler(AccountingHandler):
                           "href": f"teams/{t['team']}?period={period}",
                           "bill": f"api/teams/{t['team']}/bill?format=html&period={period}"})
         alerts = [a.message for t in policy.teams for a in reached_alerts(policy, t, usage)] + problems
+        idle = sorted(report["idle"].items())
         self.render_page(
-            "admin.html", f"All teams, {name}", "admin", period_name=name, alerts=alerts,
+            "admin.html", f"All teams, {name}", "admin", period_name=name, alerts=alerts, idle=idle,
+            idle_chart=Markup(charts.bar_chart(f"Teams: share of their GPU-hours held by idle servers, {name}", [
+                (t, float(Fraction(i["idle_share"])) * 100) for t, i in idle], "%", limit=100.0)) if idle else "",
             utilisation_charts=utilisation_charts,
             # Budgets differ by orders of magnitude between teams: one scale for all is the share used.
             teams_chart=Markup(charts.bar_chart(
@@ -508,7 +540,7 @@ class TeamPageHandler(AccountingHandler):
                                                 limit=float(budget) if budget else None)),
             daily_chart=Markup(charts.daily_chart(f"Team {team}: GPU-hours per day, {name}", [
                 (d["day"], float(Fraction(d["gpu_hours"]))) for d in report["daily"]], "GPU-h")),
-            members_chart=members_chart, queue=queue_text(report["queue_waits"]),
+            members_chart=members_chart, queue=queue_text(report["queue_waits"]), idle=idle_text(report["idle"]),
             top=report.get("top_consumers"),
             json_href=f"../api/teams/{team}/report?" + urlencode({"period": period}),
             bill_href=f"../api/teams/{team}/bill?" + urlencode({"format": "html", "period": period}) if lead else None)
@@ -594,6 +626,24 @@ class _Collector:
             mean.add_metric([name], float(waits.mean_s))
         yield waited
         yield mean
+        idle_hours = GaugeMetricFamily("gpupool_idle_gpu_hours", "GPU-hours held by idle servers this period",
+                                       labels=["team"])
+        idle_ratio = GaugeMetricFamily("gpupool_idle_ratio", "Share of this period's GPU-hours held by idle servers",
+                                       labels=["team"])
+        culled = GaugeMetricFamily("gpupool_culled_servers", "Servers the idle culler stopped this period",
+                                   labels=["team"])
+        reclaimed = GaugeMetricFamily("gpupool_reclaimed_gpu_hours",
+                                      "GPU-hours culling gave back this period (until the user came back, 24 h at most)",
+                                      labels=["team"])
+        for name, figures in idle_report(self.ledger, period).items():
+            idle_hours.add_metric([name], float(Fraction(figures["idle_gpu_hours"])))
+            idle_ratio.add_metric([name], float(figures["idle_share"]))
+            culled.add_metric([name], figures["culled_servers"])
+            reclaimed.add_metric([name], float(Fraction(figures["reclaimed_gpu_hours"])))
+        yield idle_hours
+        yield idle_ratio
+        yield culled
+        yield reclaimed
         errors = CounterMetricFamily("gpupool_reconcile_errors", "Reconciliation rounds that failed", labels=["step"])
         for step, count in RECONCILE_ERRORS.items():
             errors.add_metric([step], count)
