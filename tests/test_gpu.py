@@ -5,6 +5,7 @@ Skipped by default with the reason shown; `make test PYTEST_ARGS="--gpu -k gpu"`
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shutil
@@ -51,3 +52,49 @@ def test_mps_daemon_starts(tmp_path):
     finally:  # stop the daemon this test started
         env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "mps" / "pipe")}
         subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env=env, check=False)
+
+
+# A kernel of the GPU, for the idle culler's signal: a CUDA loop (busy) and a process that holds a context and
+# sleeps (idle), each its own process, as servers' kernels are.
+CUDA_LOOP = """
+import sys, time, torch
+x = torch.randn(4096, 4096, device="cuda")
+print("ready", flush=True)
+if sys.argv[1] == "busy":
+    while True:
+        x = x @ x
+        x = x / x.norm()
+else:
+    time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs PyTorch with CUDA to run a kernel")
+def test_the_culler_sees_a_cuda_loop_busy_and_a_sleeping_context_idle():
+    import subprocess
+    import sys
+    import time
+
+    import pynvml
+
+    from gpupool.hub.idle_signals import NVMLGPU
+
+    pynvml.nvmlInit()
+    uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0))
+    uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+    processes = {kind: subprocess.Popen([sys.executable, "-c", CUDA_LOOP, kind], stdout=subprocess.PIPE, text=True)
+                 for kind in ("busy", "idle")}
+    try:
+        for process in processes.values():
+            assert process.stdout.readline().strip() == "ready"
+        gpu = NVMLGPU()
+        gpu.reading([uuid], set())  # the first look starts NVML's sample window
+        time.sleep(3)
+        readings = {kind: gpu.reading([uuid], {p.pid}) for kind, p in processes.items()}
+        assert readings["busy"].percent is not None and readings["busy"].percent > 1, readings
+        assert readings["idle"].percent is not None and readings["idle"].percent < 1, readings
+        assert "MiB of GPU memory" in readings["idle"].note  # it holds memory, and uses nothing
+    finally:
+        for process in processes.values():
+            process.kill()
+            process.wait()
