@@ -31,8 +31,40 @@ SERVER_WHEEL := build/server-env/.built
 SOURCES := setup.cfg pyproject.toml $(shell find hub spawner policies mlflow train -type f -not -path '*/__pycache__/*')
 BASE_FILES := images/base/gpupool-platform-first.pth images/base/platform_first.py images/base/overrides.json
 
+# JupyterLab's warning before the idle culler stops a server, with "Keep it 1 h": the labextension gpupool-idle,
+# built once (prebuilt, federated) from images/base/labextension into build/labextension/ with JupyterLab's
+# builder (`jupyter-builder build`; the builder and JupyterLab's core metadata pinned by its package-lock.json,
+# needs Node.js >= 20.19), and the Jupyter Server extension it talks to (gpupool.hub.lab_idle), enabled by a
+# jupyter_server_config.d file; both go into each environment servers run from (.venv and $(SERVER_ENV)).
+LABEXT_SRC := images/base/labextension
+LABEXT := build/labextension/gpupool-idle
+LABEXT_BUILT := build/labextension/.built
+LABEXT_CONFIG := images/base/jupyter_server_config.d/gpupool-idle.json
+
+$(LABEXT_SRC)/node_modules/.installed: $(LABEXT_SRC)/package.json $(LABEXT_SRC)/package-lock.json | system-packages
+	cd $(LABEXT_SRC) && npm ci --no-audit --no-fund --silent
+	@touch $@
+
+$(LABEXT_BUILT): $(LABEXT_SRC)/node_modules/.installed $(LABEXT_SRC)/package.json $(wildcard $(LABEXT_SRC)/src/*.js) | $(STAMP)
+	@echo "labextension: building $(LABEXT)"
+	rm -rf $(LABEXT)
+	$(BIN)/jupyter-builder build $(LABEXT_SRC)
+	@touch $@
+
+# $(1): the environment's prefix
+define lab-idle-files
+	rm -rf $(1)/share/jupyter/labextensions/gpupool-idle
+	install -d -m 755 $(1)/share/jupyter/labextensions
+	cp -R $(LABEXT) $(1)/share/jupyter/labextensions/gpupool-idle
+	install -D -m 644 $(LABEXT_CONFIG) $(1)/etc/jupyter/jupyter_server_config.d/gpupool-idle.json
+endef
+
+$(VENV)/.gpupool-lab-idle: $(LABEXT_BUILT) $(LABEXT_CONFIG) $(STAMP)
+	$(call lab-idle-files,$(VENV))
+	@touch $@
+
 # (after SERVER_ENV is defined: make expands a rule's prerequisites when it reads the rule)
-install: $(STAMP) system-packages node_modules/.bin/configurable-http-proxy $(if $(SERVER_ENV),server-env)
+install: $(STAMP) system-packages $(VENV)/.gpupool-lab-idle node_modules/.bin/configurable-http-proxy $(if $(SERVER_ENV),server-env)
 
 server-env: $(SERVER_ENV)/.gpupool-installed
 
@@ -64,10 +96,12 @@ $(SERVER_ENV)/.requirements-installed: $(SERVER_ENV)/bin/python images/base/requ
 	$(SERVER_ENV)/bin/python -m pip install --progress-bar off -r images/base/requirements.in build/server-env/gpupool-*.whl
 	@touch $@
 
-$(SERVER_ENV)/.gpupool-installed: $(SERVER_ENV)/.requirements-installed $(SERVER_WHEEL) $(BASE_FILES) package-lock.json
+$(SERVER_ENV)/.gpupool-installed: $(SERVER_ENV)/.requirements-installed $(SERVER_WHEEL) $(BASE_FILES) package-lock.json \
+		$(LABEXT_BUILT) $(LABEXT_CONFIG)
 	@echo "server environment: installing gpupool from this checkout into $(SERVER_ENV)"
 	$(SERVER_ENV)/bin/python -m pip install --quiet --no-deps --force-reinstall build/server-env/gpupool-*.whl
 	$(server-env-files)
+	$(call lab-idle-files,$(SERVER_ENV))
 	@# JupyterHub's proxy too, so that the environment is a whole platform any user can run (`gpupool up` as an
 	@# ordinary user on a machine where root installed it)
 	install -d -m 755 $(SERVER_ENV)/share/gpupool/proxy
@@ -135,4 +169,4 @@ cli: $(STAMP)
 	@case ":$$PATH:" in *":$(CLI_DIR):"*) ;; *) echo "gpupool: $(CLI_DIR) is not on PATH: add it to PATH";; esac
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist *.egg-info $(LABEXT_SRC)/node_modules
