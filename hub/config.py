@@ -254,7 +254,7 @@ def idle_notice(ledger_url: str, name: str) -> str:
     items = [Markup("<li>{}</li>").format(s.seen.get("message", "")) for s in warned]
     if not items:
         return ""
-    return Markup('<div id="gpupool-idle-warning"><strong>Idle GPU:</strong><ul class="mb-1">{}</ul>'
+    return Markup('<div id="gpupool-idle-warning"><strong>Idle GPU:</strong><ul class="list-unstyled mb-1">{}</ul>'
                   '<a class="btn btn-sm btn-warning" href="{}">Keep it</a></div>').format(
         Markup("").join(items), f"../services/{CULLER_SERVICE}/")
 
@@ -321,7 +321,8 @@ def apply_config(c, settings: Settings) -> None:
     roles.append({"name": QUEUE_SERVICE, "description": "gpupool starts the requests that waited in the queue "
                   "again after a hub restart", "scopes": ["servers"], "services": [QUEUE_SERVICE]})
     # What the hub's navigation bar lists under Services for every user, on the services' pages too.
-    nav_services = ",".join([ACCOUNTING_SERVICE, JOBS_SERVICE] + ([MLFLOW_SERVICE] if settings.mlflow else []))
+    nav_services = ",".join([ACCOUNTING_SERVICE, JOBS_SERVICE, CULLER_SERVICE]
+                            + ([MLFLOW_SERVICE] if settings.mlflow else []))
     # The accounting service: usage, budgets, bills, metrics (hub-managed, least-privilege role).
     services.append({
         "name": ACCOUNTING_SERVICE,
@@ -354,7 +355,7 @@ def apply_config(c, settings: Settings) -> None:
                         "GPUPOOL_LEDGER_URL": settings.ledger_url, "GPUPOOL_HUB_URL": settings.url,
                         "GPUPOOL_NAV_SERVICES": nav_services},
         "oauth_no_confirm": True,
-        "display": False,
+        "display": True,
     })
     if settings.mlflow:
         services.append(mlflow_service(settings))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import threading
 import time
 from fractions import Fraction
@@ -24,9 +25,10 @@ import requests
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
 from gpupool.hub.accounting.service import idle_report
-from gpupool.hub.harness import Hub
+from gpupool.hub.harness import Browser, Hub
 
 DOUBLE = Path(__file__).resolve().parent / "nvml_double"
+SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
 CARDS = ["GPU-double-0000", "GPU-double-0001"]
 PEOPLE = ("alice", "bob", "carol")
 
@@ -36,7 +38,12 @@ def policy(webhook: str) -> dict[str, str]:
         "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [whole]}\n"
                      f"inventory:\n  - {{model: H200, count: 2, uuids: {json.dumps(CARDS)}}}\n",
         "teams.yaml": "teams:\n  vision: {quota: {gpus: 4, per_user_gpus: 1}}\n",
-        "profiles.yaml": "profiles:\n  h200: {display_name: 1 × H200, gpu: {model: H200, count: 1}, teams: [vision]}\n",
+        # bob's profile has a rule of its own (before the pool's): warned after 6 s idle, stopped 54 s later, time
+        # enough for a person (and a browser) to see the warning and keep the server.
+        "profiles.yaml": "profiles:\n  h200: {display_name: 1 × H200, gpu: {model: H200, count: 1}, teams: [vision]}\n"
+                         "  h200-patient: {display_name: 1 × H200 (patient), gpu: {model: H200, count: 1}, "
+                         "teams: [vision], idle: {after_minutes: 1, warn_minutes: 0.9, cpu_below_percent: 20, "
+                         "keep_max_hours: 0.01}}\n",
         # Minutes made seconds so that a test sees it: idle 15 s → stopped, warned 6 s before, kept 36 s at most.
         # CPU under 20% of a core is idle: JupyterLab's server answering the culler's own look costs a little.
         "settings.yaml": f"settings:\n  alert_webhook: {webhook}\n"
@@ -109,8 +116,8 @@ def wait_for(what, timeout: float = 180, every: float = 0.5, message: str = ""):
     raise AssertionError(f"timed out after {timeout} s: {message}")
 
 
-def spawn(hub: Hub, token: str, name: str) -> None:
-    reply = requests.post(f"{hub.url}/hub/api/users/{name}/server", json={"profile": "h200"},
+def spawn(hub: Hub, token: str, name: str, profile: str = "h200") -> None:
+    reply = requests.post(f"{hub.url}/hub/api/users/{name}/server", json={"profile": profile},
                           headers={"Authorization": f"token {token}"}, timeout=60)
     assert reply.status_code in (201, 202), reply.text
 
@@ -142,7 +149,7 @@ def test_idle_servers_are_warned_then_culled_busy_ones_kept_and_keep_it_is_bound
     # Both keep their cards busy (as NVML would report their servers' processes), with no HTTP activity at all.
     pids = {name: server_state(hub, name)["pid"] for name in ("alice", "carol")}
     samples.write_text(json.dumps({"cards": CARDS, "utilization": {str(pid): 60 for pid in pids.values()}}))
-    spawn(hub, tokens["bob"], "bob")  # both cards are held: bob waits in the queue
+    spawn(hub, tokens["bob"], "bob", "h200-patient")  # both cards are held: bob waits in the queue
     hub.progress_until("bob", lambda event: "Waiting for" in event.get("message", ""), timeout=120)
     # alice's work ends; carol's goes on.
     samples.write_text(json.dumps({"cards": CARDS, "utilization": {str(pids["carol"]): 60}}))
@@ -177,22 +184,41 @@ def test_idle_servers_are_warned_then_culled_busy_ones_kept_and_keep_it_is_bound
     assert hub.server("carol") is not None and not any(user == "carol" for _, user in kinds)
     assert re.search(r'class="gpupool-idle">in use<', sessions["carol"].get(f"{hub.url}/hub/home", timeout=60).text)
 
-    # bob: warned in turn; he keeps it, within the policy's 0.01 h (36 s) in all.
+    # bob: warned in turn, on his home page, where he follows "Keep it" to the culler's page and keeps it (his
+    # profile allows 0.01 h, 36 s, in all), in headless Chromium.
     wait_for(lambda: seen_by_culler(hub, tokens["bob"]).get("state") in ("warn", "warned"),
              message="bob's server was never warned")
-    reply = culler(hub, tokens["bob"], "POST", "api/servers/bob/keep", json={"hours": 0.005})
-    assert reply.status_code == 200, reply.text
-    first = reply.json()["keep_until"]
-    reply = culler(hub, tokens["bob"], "POST", "api/servers/bob/keep", json={"hours": 1})
-    assert reply.status_code == 200 and reply.json()["kept_hours"] == 0.01, reply.text  # what was left of 36 s
-    keep_until = reply.json()["keep_until"]
-    assert keep_until > first
+    chromium, driver = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
+    assert chromium and driver, "headless Chromium is not installed (apt-get install chromium chromium-driver)"
+    browser = Browser(chromium, driver)
+    try:
+        browser.log_in_as(hub.url, sessions["bob"])
+        browser.start_recording()
+        browser.get(f"{hub.url}/hub/home")
+        assert "will be stopped at" in browser.wait_for_text("Idle GPU")
+        browser.screenshot_whole_page(SCREENSHOTS / "culler-home-warning.png")
+        browser.click("#gpupool-idle-warning a")
+        browser.wait_for_text("Idle servers")
+        browser.wait_page_loaded()
+        row = browser.css('#idle-servers tr[data-server=""]')[0]
+        assert row.get_attribute("data-state") in ("warn", "warned")
+        browser.screenshot_whole_page(SCREENSHOTS / "culler-page.png")
+        browser.click('#idle-servers button[type="submit"]')
+        browser.wait(lambda d: "0.01 of 0.01 h" in browser.text(), 60, "the page never showed the keep")
+        assert not browser.failed_requests(), browser.failed_requests()
+        assert not browser.console_errors(), browser.console_errors()
+    finally:
+        browser.quit()
+    kept = seen_by_culler(hub, tokens["bob"])
+    keep_until = kept["keep_until"]
+    assert keep_until and kept["kept_hours"] == 0.01, kept
     refused = culler(hub, tokens["bob"], "POST", "api/servers/bob/keep", json={"hours": 1})
     assert refused.status_code == 409 and "keep_max_hours: 0.01" in refused.json()["message"], refused.text
     # Bad input and other people's servers change nothing.
     assert culler(hub, tokens["bob"], "POST", "api/servers/bob/keep", json={"hours": "soon"}).status_code == 400
     assert culler(hub, tokens["bob"], "POST", "api/servers/bob/keep", json={"days": 1}).status_code == 400
     assert culler(hub, tokens["bob"], "POST", "api/servers/carol/keep", json={"hours": 1}).status_code == 404
+    assert seen_by_culler(hub, tokens["bob"])["keep_until"] == keep_until
 
     # Kept: culled only after the time kept, and warned again before.
     wait_for(lambda: hub.server("bob") is None, timeout=240, message="bob's server was never culled after the keep")

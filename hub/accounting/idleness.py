@@ -95,6 +95,8 @@ def active(rule: Idle, signals: Signals) -> list[str]:
 
 def _say(delta: timedelta) -> str:
     total = int(delta.total_seconds() // 60)
+    if total < 1:
+        return "less than a minute"
     return f"{total // 60} h {total % 60} min" if total >= 60 else f"{total} min"
 
 
@@ -140,7 +142,7 @@ def decide(rule: Idle, signals: Signals, record: IdleRecord, now: datetime, serv
 
 
 def _warning(rule: Idle, cause: str, server: str, now: datetime, record: IdleRecord, cull_at: datetime) -> str:
-    why = (f"has been idle for {_say(now - record.last_active)} (no GPU, CPU or kernel activity)" if cause == "idle"
+    why = (f"has been idle for {_say(now - record.last_active)}" if cause == "idle"
            else f"has run for {_say(now - record.started)} (the most is {rule.max_age_hours} h)")
     return f"{server} {why} and will be stopped at {cull_at:%H:%M} UTC to give its GPU back to the pool."
 
