@@ -41,7 +41,8 @@ from traitlets.config import Application
 
 from gpupool.hub.accounting import notify, periods
 from gpupool.hub.accounting.culls import IdleServer, IdleStore
-from gpupool.hub.accounting.idleness import Action, IdleRecord, KeepRefused, Signals, decide, keep
+from gpupool.hub.accounting.idleness import Action, IdleRecord, KeepRefused, Signals, active, decide, keep
+from gpupool.hub.accounting.jobs import JobStore
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.service import MAX_BODY_BYTES, AccountingHandler, HealthHandler, NotFoundHandler, page_templates
 from gpupool.hub.idle_signals import CPUMeter, HAMiMetrics, NVMLGPU, ProcessTable, ProcessTree, jupyter_activity
@@ -185,6 +186,9 @@ class IdleCuller(Application):
         self.threads = concurrent.futures.ThreadPoolExecutor(self.concurrency, thread_name_prefix="culler-look")
         self._server_tokens: dict[tuple[str, str], tuple[str, float]] = {}
         self._table: ProcessTable | None = None
+        self.jobs = JobStore(self.ledger.engine)
+        #: When each running job's run was last looked at (in memory: a restarted culler begins anew).
+        self._job_looks: dict[str, datetime] = {}
 
     async def server_token(self, user: str, name: str) -> str:
         """A token of `user` that may access their server `name` and nothing else, made by the hub (cached)."""
@@ -254,7 +258,12 @@ class IdleCuller(Application):
                         return None
 
             outcomes = await asyncio.gather(*(one(*s) for s in servers))
-            runs = {o[0] for o in outcomes if o}
+            if self.cpu or self.gpu is not None:
+                try:
+                    await self.look_at_jobs()
+                except Exception:
+                    self.log.exception("looking at the training jobs failed")
+            runs = {o[0] for o in outcomes if o} | set(self._job_looks)
             self.cpu_meter.forget_except(runs)
             listed = {(user["name"], name) for user, name, _ in servers}
             for gone in set(self._server_tokens) - listed:
@@ -302,6 +311,33 @@ class IdleCuller(Application):
         return Signals(gpu_percent=gpu, gpu_note=gpu_note, cpu_percent=cpu, cpu_note=cpu_note,
                        busy_kernels=jupyter.busy_kernels, jupyter_activity=jupyter.last_activity,
                        jupyter_note=jupyter.note)
+
+    async def look_at_jobs(self) -> None:
+        """Training jobs of the embedded mode, for the reports only (a job is never warned or stopped here): the
+        time each running job's processes sat under its rule's GPU and CPU thresholds between two looks is added
+        to its team's idle GPU-hours."""
+        loop = asyncio.get_running_loop()
+        running = await loop.run_in_executor(self.threads, self.jobs.running)
+        policy, now, looked = self.policy, periods.utcnow(), {}
+        cards = self.gpu.all_cards() if self.gpu is not None else []
+        for job, run in running:
+            chosen = policy.profiles.get(job.profile)
+            if not run.holding or not run.pid or chosen is None or chosen.gpu is None:
+                continue
+            tree = ProcessTree(run.pid, run.pid_started_ms / 1000 if run.pid_started_ms else None, self._table)
+            processes = tree.processes()
+            cpu, _ = self.cpu_meter.percent(run.holding, processes) if self.cpu else (None, "")
+            gpu = self.gpu.reading(cards, {p.pid for p in processes}).percent if self.gpu is not None else None
+            looked[run.holding] = now
+            before = self._job_looks.get(run.holding)
+            if before is None or (cpu is None and gpu is None):
+                continue  # nothing known yet: neither idle nor busy
+            rule = policy.idle_rule(job.team, job.profile)
+            if active(rule, Signals(gpu_percent=gpu, cpu_percent=cpu)):
+                continue
+            await loop.run_in_executor(self.threads, self.store.add_idle, run.holding, job.team, chosen.gpu.model,
+                                       profile_share(chosen, policy), before, now, "job")
+        self._job_looks = looked
 
     async def look_at(self, user: dict, name: str, server: dict):
         state = server.get("state") or {}

@@ -145,6 +145,16 @@ class NVMLGPU:
     def available(self) -> bool:
         return self.nvml is not None
 
+    def all_cards(self) -> list[str]:
+        """Every card NVML sees, by UUID (a job's processes are looked for on all of them)."""
+        if self.nvml is None:
+            return []
+        found = []
+        for index in range(self.nvml.nvmlDeviceGetCount()):
+            uuid = self.nvml.nvmlDeviceGetUUID(self.nvml.nvmlDeviceGetHandleByIndex(index))
+            found.append(uuid.decode() if isinstance(uuid, bytes) else uuid)
+        return found
+
     def reading(self, cards: list[str], pids: set[int]) -> GPUReading:
         if self.nvml is None:
             return GPUReading(None, self.why)

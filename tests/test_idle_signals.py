@@ -150,3 +150,59 @@ def test_jupyter_activity_from_a_real_server(tmp_path):
     finally:
         server.terminate()
         server.wait(30)
+
+
+@pytest.mark.asyncio
+async def test_idle_training_jobs_count_in_the_reports_and_busy_ones_do_not(tmp_path):
+    # The culler's look at the embedded mode's running jobs (for the reports only), in-process, on real processes.
+    from datetime import UTC, datetime
+
+    import sqlalchemy as sa
+
+    from gpupool.hub.accounting import periods
+    from gpupool.hub.accounting.culls import IDLE_TIME, idle_figures
+    from gpupool.hub.accounting.jobs import JobSubmission, resolve
+    from gpupool.hub.culler import IdleCuller
+    from gpupool.policies import load_policy
+    from gpupool.policies.defaults import ledger_url
+
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "policy.yaml").write_text(
+        "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [whole]}\n"
+        "inventory:\n  - {model: H200, count: 2}\n"
+        "teams:\n  vision: {}\n"
+        "profiles:\n  h200: {display_name: 1 × H200, gpu: {model: H200, count: 1}, teams: [vision]}\n"
+        "settings:\n  idle: {cpu_below_percent: 1}\n")  # a busy loop uses more than 1% even on a loaded machine
+    culler = IdleCuller(policy_dir=str(policies), ledger_url=ledger_url(tmp_path), gpu_source="none",
+                        hub_api_url="http://127.0.0.1:9/hub/api", api_token="unused")
+    culler.initialize([])
+    policy = load_policy(policies)
+    processes = {"sleeping": subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]),
+                 "busy": subprocess.Popen([sys.executable, "-c", "while True: pass"])}
+    holdings = {}
+    try:
+        for kind, process in processes.items():
+            resolved = resolve(policy, "alice", ["vision"], JobSubmission(profile="h200", command=["python"]))
+            job = culler.jobs.submit("alice", resolved, JobSubmission(profile="h200", command=["python"]),
+                                     datetime.now(UTC))
+            holdings[kind] = f"job:{job.id}:1"
+            started_ms = int(psutil.Process(process.pid).create_time() * 1000)
+            assert culler.jobs.start_run(job.id, datetime.now(UTC), pid=process.pid, pid_started_ms=started_ms,
+                                         holding=holdings[kind])
+        for _ in range(2):  # the first look starts the CPU measure; the second sees the time between
+            culler._table = ProcessTable()
+            await culler.look_at_jobs()
+            time.sleep(1.5)
+        culler._table = ProcessTable()
+        await culler.look_at_jobs()
+    finally:
+        for process in processes.values():
+            process.kill()
+            process.wait()
+    with culler.ledger.engine.connect() as connection:
+        rows = {row.run: row for row in connection.execute(sa.select(IDLE_TIME))}
+    assert set(rows) == {holdings["sleeping"]} and rows[holdings["sleeping"]].kind == "job"
+    assert rows[holdings["sleeping"]].idle_s >= 1
+    figures = idle_figures(culler.ledger.engine, periods.period_of(periods.utcnow()))["vision"]
+    assert figures.job_idle_gpu_hours > 0 and figures.idle_gpu_hours == 0 and figures.culled == 0

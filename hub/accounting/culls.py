@@ -122,8 +122,10 @@ class IdleStore:
             connection.execute(IDLE.update().where(IDLE.c.run == run).values(cull_requested_at=None,
                                                                              cull_reason=""))
 
-    def add_idle(self, run: str, team: str, model: str, share: Fraction, start: datetime, end: datetime) -> None:
-        """`run` sat idle from `start` to `end` (between two looks): added to its idle time, per period."""
+    def add_idle(self, run: str, team: str, model: str, share: Fraction, start: datetime, end: datetime,
+                 kind: str = "server") -> None:
+        """`run` (of a `server` or a `job`) sat idle from `start` to `end` (between two looks): added to its idle
+        time, per period."""
         if end <= start:
             return
         share = Fraction(share)
@@ -136,28 +138,31 @@ class IdleStore:
                 if connection.execute(IDLE_TIME.update().where(key).values(idle_s=IDLE_TIME.c.idle_s + seconds)
                                       ).rowcount == 0:
                     connection.execute(IDLE_TIME.insert().values(
-                        run=run, period=piece.period, team=team, model=model, share_num=share.numerator,
+                        run=run, period=piece.period, kind=kind, team=team, model=model, share_num=share.numerator,
                         share_den=share.denominator, idle_s=seconds))
 
 
 @dataclass(frozen=True)
 class IdleFigures:
-    """A team's idle GPUs in a period: GPU-hours held while idle, servers culled and GPU-hours culling gave back."""
+    """A team's idle GPUs in a period: GPU-hours held by idle servers and by idle jobs, servers culled and the
+    GPU-hours culling gave back."""
 
     idle_gpu_hours: Fraction
+    job_idle_gpu_hours: Fraction
     culled: int
     reclaimed_gpu_hours: Fraction
 
 
 def idle_figures(engine: sa.Engine, period: str, now: datetime | None = None) -> dict[str, IdleFigures]:
-    """Per team, for `period`: idle GPU-hours (from the culler's looks), servers culled, and GPU-hours reclaimed
+    """Per team, for `period`: idle GPU-hours of servers and of jobs (from the culler's looks), servers culled,
+    and GPU-hours reclaimed
     (`RECLAIM_CAP`: each cull's share until its user started a server of that team again, capped)."""
     start, end = periods.period_bounds(period)
     end = min(end, now or periods.utcnow())
-    idle: dict[str, Fraction] = {}
+    idle: dict[tuple[str, str], Fraction] = {}
     with engine.connect() as connection:
         for row in connection.execute(sa.select(IDLE_TIME).where(IDLE_TIME.c.period == period)):
-            idle[row.team] = idle.get(row.team, Fraction(0)) + periods.gpu_hours(
+            idle[row.team, row.kind] = idle.get((row.team, row.kind), Fraction(0)) + periods.gpu_hours(
                 Fraction(row.share_num, row.share_den), row.idle_s)
         culls = connection.execute(
             sa.select(IDLE.c.run, IDLE.c.user, IDLE.c.team, IDLE.c.cull_requested_at, INTERVALS.c.share_num,
@@ -178,5 +183,6 @@ def idle_figures(engine: sa.Engine, period: str, now: datetime | None = None) ->
             seconds = max(0, int((until - after).total_seconds()))
             reclaimed[cull.team] = reclaimed.get(cull.team, Fraction(0)) + periods.gpu_hours(
                 Fraction(cull.share_num, cull.share_den), seconds)
-    return {team: IdleFigures(idle.get(team, Fraction(0)), culled.get(team, 0), reclaimed.get(team, Fraction(0)))
-            for team in sorted(set(idle) | set(culled))}
+    return {team: IdleFigures(idle.get((team, "server"), Fraction(0)), idle.get((team, "job"), Fraction(0)),
+                              culled.get(team, 0), reclaimed.get(team, Fraction(0)))
+            for team in sorted({team for team, _ in idle} | set(culled))}

@@ -282,13 +282,15 @@ class IdleServer(Base):
 
 
 class IdleTime(Base):
-    """Seconds a server run sat idle in a period (UTC month), as the culler saw it between its looks; with the
-    run's share, for the share of held GPU-hours that were idle."""
+    """Seconds a server or job run sat idle in a period (UTC month), as the culler saw it between its looks; with
+    the run's share, for the share of held GPU-hours that were idle."""
 
     __tablename__ = "accounting_idle_time"
 
     run: Mapped[str] = mapped_column(sa.String(255), primary_key=True)
     period: Mapped[str] = mapped_column(sa.String(7), primary_key=True)
+    #: `server` (a user's server) or `job` (a run of a training job: looked at for the reports, never culled).
+    kind: Mapped[str] = mapped_column(sa.String(16))
     team: Mapped[str] = mapped_column(sa.String(63))
     model: Mapped[str] = mapped_column(sa.String(63))
     share_num: Mapped[int] = mapped_column(sa.Integer)
@@ -297,6 +299,7 @@ class IdleTime(Base):
 
     __table_args__ = (
         sa.CheckConstraint("idle_s >= 0", name="idle_not_negative"),
+        sa.CheckConstraint("kind IN ('server', 'job')", name="kind_known"),
         sa.CheckConstraint("share_num > 0 AND share_den > 0", name="share_positive"),
         sa.Index(None, "period"),
     )

@@ -316,16 +316,18 @@ def admin_report(ledger: Ledger, policy, period: str, top: int) -> dict:
 
 
 def idle_report(ledger: Ledger, period: str, team: str | None = None) -> dict[str, dict[str, str | int]]:
-    """Per team (or `team` alone): GPU-hours held while idle and their share of the GPU-hours held, servers the
-    idle culler stopped and the GPU-hours that gave back (`culls.idle_figures`)."""
+    """Per team (or `team` alone): GPU-hours held by idle servers and by idle jobs, their share of the GPU-hours
+    held, servers the idle culler stopped and the GPU-hours that gave back (`culls.idle_figures`)."""
     held = ledger.gpu_hours(period, ("team",))
     result = {}
     for name, figures in idle_figures(ledger.engine, period).items():
         if team is not None and name != team:
             continue
         total = held.get((name,), Fraction(0))
+        idle = figures.idle_gpu_hours + figures.job_idle_gpu_hours
         result[name] = {"idle_gpu_hours": _hours(figures.idle_gpu_hours),
-                        "idle_share": f"{float(figures.idle_gpu_hours / total):.4f}" if total else "0",
+                        "job_idle_gpu_hours": _hours(figures.job_idle_gpu_hours),
+                        "idle_share": f"{float(idle / total):.4f}" if total else "0",
                         "culled_servers": figures.culled, "reclaimed_gpu_hours": _hours(figures.reclaimed_gpu_hours)}
     return result
 
@@ -360,7 +362,8 @@ def idle_text(idle: dict | None) -> str:
         return "No server of the team sat idle on a GPU this period, as far as the idle culler saw."
     share = percent(Fraction(idle["idle_share"]), Fraction(1))
     culled = idle["culled_servers"]
-    return (f"{idle['idle_gpu_hours']} GPU-h were held by idle servers ({share} of the team's GPU-hours); "
+    return (f"{idle['idle_gpu_hours']} GPU-h were held by idle servers and {idle['job_idle_gpu_hours']} GPU-h by "
+            f"idle training jobs ({share} of the team's GPU-hours); "
             f"the idle culler stopped {culled} server{'' if culled == 1 else 's'}, giving back "
             f"{idle['reclaimed_gpu_hours']} GPU-h.")
 
@@ -419,7 +422,7 @@ class AdminPageHandler(AccountingHandler):
         idle = sorted(report["idle"].items())
         self.render_page(
             "admin.html", f"All teams, {name}", "admin", period_name=name, alerts=alerts, idle=idle,
-            idle_chart=Markup(charts.bar_chart(f"Teams: share of their GPU-hours held by idle servers, {name}", [
+            idle_chart=Markup(charts.bar_chart(f"Teams: share of their GPU-hours held by idle servers and jobs, {name}", [
                 (t, float(Fraction(i["idle_share"])) * 100) for t, i in idle], "%", limit=100.0)) if idle else "",
             utilisation_charts=utilisation_charts,
             # Budgets differ by orders of magnitude between teams: one scale for all is the share used.
@@ -626,9 +629,9 @@ class _Collector:
             mean.add_metric([name], float(waits.mean_s))
         yield waited
         yield mean
-        idle_hours = GaugeMetricFamily("gpupool_idle_gpu_hours", "GPU-hours held by idle servers this period",
-                                       labels=["team"])
-        idle_ratio = GaugeMetricFamily("gpupool_idle_ratio", "Share of this period's GPU-hours held by idle servers",
+        idle_hours = GaugeMetricFamily("gpupool_idle_gpu_hours", "GPU-hours held by idle servers and jobs this "
+                                       "period", labels=["team", "kind"])
+        idle_ratio = GaugeMetricFamily("gpupool_idle_ratio", "Share of this period's GPU-hours held by idle servers and jobs",
                                        labels=["team"])
         culled = GaugeMetricFamily("gpupool_culled_servers", "Servers the idle culler stopped this period",
                                    labels=["team"])
@@ -636,7 +639,8 @@ class _Collector:
                                       "GPU-hours culling gave back this period (until the user came back, 24 h at most)",
                                       labels=["team"])
         for name, figures in idle_report(self.ledger, period).items():
-            idle_hours.add_metric([name], float(Fraction(figures["idle_gpu_hours"])))
+            idle_hours.add_metric([name, "server"], float(Fraction(figures["idle_gpu_hours"])))
+            idle_hours.add_metric([name, "job"], float(Fraction(figures["job_idle_gpu_hours"])))
             idle_ratio.add_metric([name], float(figures["idle_share"]))
             culled.add_metric([name], figures["culled_servers"])
             reclaimed.add_metric([name], float(Fraction(figures["reclaimed_gpu_hours"])))

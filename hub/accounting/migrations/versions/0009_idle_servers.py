@@ -1,5 +1,6 @@
 """The idle culler's record of each server run holding a GPU share (idle since, warning, keeps, the stop it asked),
-and the idle time it saw, per run and period (for the reports: the share of held GPU-hours that were idle).
+and the idle time it saw, per server or job run and period (for the reports: the share of held GPU-hours that
+were idle).
 
 Revision ID: 0009
 Revises: 0008
@@ -45,12 +46,14 @@ def upgrade() -> None:
         "accounting_idle_time",
         sa.Column("run", sa.String(255), nullable=False),
         sa.Column("period", sa.String(7), nullable=False),
+        sa.Column("kind", sa.String(16), nullable=False),
         sa.Column("team", sa.String(63), nullable=False),
         sa.Column("model", sa.String(63), nullable=False),
         sa.Column("share_num", sa.Integer(), nullable=False),
         sa.Column("share_den", sa.Integer(), nullable=False),
         sa.Column("idle_s", sa.BigInteger(), nullable=False),
         sa.CheckConstraint("idle_s >= 0", name=op.f("ck_accounting_idle_time_idle_not_negative")),
+        sa.CheckConstraint("kind IN ('server', 'job')", name=op.f("ck_accounting_idle_time_kind_known")),
         sa.CheckConstraint("share_num > 0 AND share_den > 0", name=op.f("ck_accounting_idle_time_share_positive")),
         sa.PrimaryKeyConstraint("run", "period", name=op.f("pk_accounting_idle_time")),
     )
