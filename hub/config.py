@@ -323,40 +323,29 @@ def apply_config(c, settings: Settings) -> None:
     # What the hub's navigation bar lists under Services for every user, on the services' pages too.
     nav_services = ",".join([ACCOUNTING_SERVICE, JOBS_SERVICE, CULLER_SERVICE]
                             + ([MLFLOW_SERVICE] if settings.mlflow else []))
-    # The accounting service: usage, budgets, bills, metrics (hub-managed, least-privilege role).
-    services.append({
-        "name": ACCOUNTING_SERVICE,
-        "url": f"http://127.0.0.1:{settings.accounting_port}",
-        "command": [sys.executable, "-m", "gpupool.hub.accounting.service"],
-        "environment": {"GPUPOOL_STATE_DIR": str(state), "GPUPOOL_POLICIES": str(settings.policy_dir),
-                        "GPUPOOL_TEAM_ROOT": settings.team_root,
-                        "GPUPOOL_LEDGER_URL": settings.ledger_url,
-                        "GPUPOOL_NAV_SERVICES": nav_services},
-        "oauth_no_confirm": True,
-        "display": True,
-    })
-    # The jobs service: training jobs' API and page (no hub scopes); the hub process runs the jobs themselves.
-    services.append({
-        "name": JOBS_SERVICE,
-        "url": f"http://127.0.0.1:{settings.jobs_port}",
-        "command": [sys.executable, "-m", "gpupool.hub.accounting.jobs_service"],
-        "environment": {"GPUPOOL_STATE_DIR": str(state), "GPUPOOL_POLICIES": str(settings.policy_dir),
-                        "GPUPOOL_TEAM_ROOT": settings.team_root, "GPUPOOL_LEDGER_URL": settings.ledger_url,
-                        "GPUPOOL_NAV_SERVICES": nav_services},
-        "oauth_no_confirm": True,
-        "display": True,
-    })
-    # The idle culler: warns, then stops, servers whose GPU share sits idle (hub/culler.py).
-    services.append({
-        "name": CULLER_SERVICE,
-        "url": f"http://127.0.0.1:{settings.culler_port}",
-        "command": [sys.executable, "-m", "gpupool.hub.culler"],
-        "environment": {"GPUPOOL_STATE_DIR": str(state), "GPUPOOL_POLICIES": str(settings.policy_dir),
-                        "GPUPOOL_LEDGER_URL": settings.ledger_url, "GPUPOOL_HUB_URL": settings.url,
-                        "GPUPOOL_NAV_SERVICES": nav_services},
-        "oauth_no_confirm": True,
-        "display": True,
-    })
+    def platform_service(name: str, port: int, module: str, **environment: str) -> dict:
+        """A gpupool service the hub runs (`python -m module` on `port`), with the platform's settings."""
+        return {
+            "name": name,
+            "url": f"http://127.0.0.1:{port}",
+            "command": [sys.executable, "-m", module],
+            "environment": {"GPUPOOL_STATE_DIR": str(state), "GPUPOOL_POLICIES": str(settings.policy_dir),
+                            "GPUPOOL_LEDGER_URL": settings.ledger_url, "GPUPOOL_NAV_SERVICES": nav_services,
+                            **environment},
+            "oauth_no_confirm": True,
+            "display": True,
+        }
+
+    services += [
+        # Usage, budgets, bills, metrics (least-privilege role).
+        platform_service(ACCOUNTING_SERVICE, settings.accounting_port, "gpupool.hub.accounting.service",
+                         GPUPOOL_TEAM_ROOT=settings.team_root),
+        # Training jobs' API and page (no hub scopes); the hub process runs the jobs themselves.
+        platform_service(JOBS_SERVICE, settings.jobs_port, "gpupool.hub.accounting.jobs_service",
+                         GPUPOOL_TEAM_ROOT=settings.team_root),
+        # The idle culler: warns, then stops, servers whose GPU share sits idle (hub/culler.py).
+        platform_service(CULLER_SERVICE, settings.culler_port, "gpupool.hub.culler", GPUPOOL_HUB_URL=settings.url),
+    ]
     if settings.mlflow:
         services.append(mlflow_service(settings))
     roles += [{"name": name, **role} for name, role in service_roles().items()

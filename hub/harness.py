@@ -51,6 +51,17 @@ c.Spawner.http_timeout = 240
 """
 
 
+def wait_for(what, timeout: float = 180, every: float = 0.5, message: str = ""):
+    """What `what()` returns once it is true, asked every `every` seconds; AssertionError after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout} s: {message}")
+
+
 def _ephemeral_ports() -> range:
     """The ports the kernel gives outgoing connections (and `bind(0)`): never hand these to a server to bind later."""
     try:

@@ -16,7 +16,8 @@ from typing import Any
 import yaml
 
 from gpupool.policies.model import DNS_LABEL, Policy
-from gpupool.spawner.wiring import ACCOUNTING_SERVICE, MLFLOW_SERVICE, mlflow_url, service_roles, team_groups
+from gpupool.spawner.wiring import (ACCOUNTING_SERVICE, CULLER_SERVICE, MLFLOW_SERVICE, mlflow_url, service_roles,
+                                    team_groups)
 
 QUEUE_API_VERSION = "scheduling.volcano.sh/v1beta1"
 PRIORITY_CLASS_API_VERSION = "scheduling.k8s.io/v1"
@@ -33,6 +34,9 @@ POLICY_VOLUME = "gpupool-policies"
 #: The port of the accounting service's Deployment (helm/gpupool/templates/accounting.yaml); its name and
 #: roles are the embedded mode's (gpupool.spawner.wiring).
 ACCOUNTING_PORT = 8080
+#: The port of the idle culler's Deployment (helm/gpupool/templates/culler.yaml); its name and roles are the
+#: embedded mode's too.
+CULLER_PORT = 8080
 #: The port of the MLflow Service (helm/gpupool values `mlflow.port`).
 MLFLOW_PORT = 5000
 #: Where user pods reach MLflow: through z2jh's proxy Service, behind the hub login.
@@ -83,6 +87,11 @@ class Release:
     def accounting_service(self) -> str:
         """The Kubernetes Service of the accounting Deployment (helm/gpupool/templates/accounting.yaml)."""
         return f"{self.name}-accounting"
+
+    @property
+    def culler_service(self) -> str:
+        """The Kubernetes Service of the idle culler's Deployment (helm/gpupool/templates/culler.yaml)."""
+        return f"{self.name}-culler"
 
     @property
     def hub_env_configmap(self) -> str:
@@ -300,10 +309,12 @@ def _authenticator_teams(policy: Policy) -> list[str]:
     return [name for name, team in policy.teams.items() if team.group_source == "authenticator"]
 
 
-def jupyterhub_values(policy: Policy, release: Release) -> dict[str, Any]:
+def jupyterhub_values(policy: Policy, release: Release, culler: bool = True) -> dict[str, Any]:
     """Zero-to-JupyterHub chart values that run the hub with `GPUKubeSpawner` on these policies.
 
     Static YAML only (`hub.config` is z2jh's pass-through to traitlets): no templated Python in the hub.
+    `culler`: whether the chart runs the idle culler (its `culler.enabled`), which these values then register
+    as a hub service with its role; the chart refuses values that disagree with it.
     """
     config: dict[str, Any] = {"JupyterHub": {"spawner_class": SPAWNER_CLASS}}
     if _authenticator_teams(policy):
@@ -320,6 +331,15 @@ def jupyterhub_values(policy: Policy, release: Release) -> dict[str, Any]:
     if policy.datasets.storage == "s3":
         # The chart's per-team Secrets (templates/datasets-secrets.yaml) hold the S3 keys of the team remotes.
         config["GPUKubeSpawner"]["dataset_secret_name"] = release.dataset_secret_pattern
+    # The services the chart runs beside the hub, each reached through its Kubernetes Service.
+    services = {
+        ACCOUNTING_SERVICE: {"url": f"http://{release.accounting_service}:{ACCOUNTING_PORT}"},
+        MLFLOW_SERVICE: {"url": f"http://{release.mlflow_service}:{MLFLOW_PORT}"},
+    }
+    if culler:
+        services[CULLER_SERVICE] = {"url": f"http://{release.culler_service}:{CULLER_PORT}"}
+    for service in services.values():
+        service.update(oauth_no_confirm=True, display=True)
     return {
         "hub": {
             "config": config,
@@ -332,21 +352,10 @@ def jupyterhub_values(policy: Policy, release: Release) -> dict[str, Any]:
             },
             "extraVolumes": [{"name": POLICY_VOLUME, "configMap": {"name": release.policies_configmap}}],
             "extraVolumeMounts": [{"name": POLICY_VOLUME, "mountPath": POLICY_DIR, "readOnly": True}],
-            "services": {
-                ACCOUNTING_SERVICE: {
-                    "url": f"http://{release.accounting_service}:{ACCOUNTING_PORT}",
-                    "oauth_no_confirm": True,
-                    "display": True,
-                },
-                MLFLOW_SERVICE: {
-                    "url": f"http://{release.mlflow_service}:{MLFLOW_PORT}",
-                    "oauth_no_confirm": True,
-                    "display": True,
-                },
-            },
+            "services": services,
             # The same roles as the embedded mode's (hub/config.py): the service gets exactly the scopes it
             # declares, and every user may open its pages, where the service decides what each one sees.
-            "loadRoles": service_roles(jobs=False, culler=False),
+            "loadRoles": service_roles(jobs=False, culler=culler),
         },
         # Volcano places user pods; z2jh's user scheduler, its placeholders and its own PriorityClasses
         # would compete with the team queues and priorities.
@@ -378,8 +387,10 @@ def wiring_notes(policy: Policy) -> list[str]:
     return notes
 
 
-def helm_values(policy: Policy, files: Mapping[str, str], release: Release) -> dict[str, Any]:
-    """The values file for helm/gpupool: the rendered objects, the policy files and the z2jh wiring."""
+def helm_values(policy: Policy, files: Mapping[str, str], release: Release, culler: bool = True) -> dict[str, Any]:
+    """The values file for helm/gpupool: the rendered objects, the policy files and the z2jh wiring.
+
+    `culler`: whether the chart is to run the idle culler (the chart's `culler.enabled` must agree)."""
     objects = cluster_objects(policy, files, release)
     # The chart builds the policy ConfigMap itself from `policies`, in the release's namespace.
     rendered = [o for o in objects if o["metadata"]["name"] != release.policies_configmap or o["kind"] != "ConfigMap"]
@@ -388,10 +399,12 @@ def helm_values(policy: Policy, files: Mapping[str, str], release: Release) -> d
             "release": release.name,
             "accountingService": ACCOUNTING_SERVICE,
             "accountingPort": ACCOUNTING_PORT,
+            "cullerService": CULLER_SERVICE,
+            "cullerPort": CULLER_PORT,
             "policyDir": POLICY_DIR,
             "policiesDigest": policies_digest(files),
             "policies": {name: files[name] for name in sorted(files)},
             "objects": rendered,
         },
-        "jupyterhub": jupyterhub_values(policy, release),
+        "jupyterhub": jupyterhub_values(policy, release, culler=culler),
     }

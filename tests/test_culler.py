@@ -14,7 +14,6 @@ import json
 import re
 import shutil
 import threading
-import time
 from fractions import Fraction
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -25,7 +24,7 @@ import requests
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
 from gpupool.hub.accounting.service import idle_report
-from gpupool.hub.harness import Browser, Hub
+from gpupool.hub.harness import Browser, Hub, wait_for
 
 DOUBLE = Path(__file__).resolve().parent / "nvml_double"
 SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
@@ -104,16 +103,6 @@ def people(hub):
     for name in PEOPLE:
         hub.add_user(name, "vision")
     return sessions, {name: hub.user_token(name) for name in PEOPLE}
-
-
-def wait_for(what, timeout: float = 180, every: float = 0.5, message: str = ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = what()
-        if found:
-            return found
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s: {message}")
 
 
 def spawn(hub: Hub, token: str, name: str, profile: str = "h200") -> None:

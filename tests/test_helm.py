@@ -23,8 +23,11 @@ import yaml
 
 from gpupool.hub import __version__
 from gpupool.hub.cli import main
-from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR
+from gpupool.hub.culler import IdleCuller
+from gpupool.hub.render import policy_files
+from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR, load_policy
 from gpupool.spawner import volcano
+from gpupool.spawner.wiring import ACCOUNTING_SCOPES, CULLER_ROLE, CULLER_SCOPES
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "gpupool"
@@ -72,6 +75,14 @@ def values_for(policies: Path, jupyterhub: bool = bool(Z2JH_ARCHIVES)) -> dict[s
     return merge(merge(generated, OPERATOR_VALUES), {"jupyterhub": {"enabled": jupyterhub}})
 
 
+def values_without_culler(policies: Path) -> dict[str, Any]:
+    """The values of a release that does not run the idle culler: rendered without it, and `culler.enabled` off."""
+    release = volcano.Release(RELEASE, NAMESPACE)
+    generated = volcano.helm_values(load_policy(policies), policy_files(policies), release, culler=False)
+    return merge(merge(generated, OPERATOR_VALUES),
+                 {"jupyterhub": {"enabled": bool(Z2JH_ARCHIVES)}, "culler": {"enabled": False}})
+
+
 def objects(manifests: dict[str, str]) -> list[dict[str, Any]]:
     return [
         doc for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt")
@@ -106,14 +117,16 @@ def test_chart_renders_objects_that_pass_the_kubernetes_and_volcano_schemas(poli
                                                  "s3EndpointUrl": "http://seaweedfs:8333"}},
         "ingress": {"enabled": True, "className": "nginx", "hosts": ["gpu.example.org"],
                     "tls": [{"secretName": "gpu-tls", "hosts": ["gpu.example.org"]}]},
+        "culler": {"hamiMetricsUrls": ["http://10.0.0.7:9394/metrics"], "resources": {"limits": {"memory": "256Mi"}},
+                   "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
     })
     rendered = render(values)
     for obj in rendered:
         checks.validate(obj, crds)
     kinds = {(o["kind"], o["metadata"]["name"]) for o in rendered}
     assert {("Deployment", "pool-accounting"), ("Service", "pool-accounting"), ("Deployment", "pool-mlflow"),
-            ("Service", "pool-mlflow"), ("Ingress", "pool"), ("ConfigMap", "pool-policies"),
-            ("PriorityClass", "gpupool-deprioritized")} <= kinds
+            ("Service", "pool-mlflow"), ("Deployment", "pool-culler"), ("Service", "pool-culler"),
+            ("Ingress", "pool"), ("ConfigMap", "pool-policies"), ("PriorityClass", "gpupool-deprioritized")} <= kinds
     assert len(rendered) == len({key(o) for o in rendered}), "an object is rendered twice"
 
 
@@ -208,11 +221,118 @@ def test_mlflow_runs_the_gpupool_app_as_the_hub_service_the_wiring_names():
         render(merge(values_for(EXAMPLES_DIR), {"mlflow": {"enabled": True}}))
 
 
+HAMI_MONITORS = ["http://10.0.0.7:9394/metrics", "http://10.0.0.8:9394/metrics"]
+#: A Prometheus federation URL: brackets, braces, quotes and `=~` reach the culler as written.
+FEDERATION = 'http://prometheus-server.monitoring/federate?match[]={__name__=~"Device_.*_of_container"}'
+
+
+def culler_container(rendered: dict) -> dict[str, Any]:
+    (container,) = rendered[("Deployment", NAMESPACE, "pool-culler")]["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def culler_as_configured(container: dict[str, Any], monkeypatch) -> IdleCuller:
+    """The real IdleCuller with the pod's environment and arguments (parsed, not started: no ledger, no hub)."""
+    for variable in container["env"]:
+        if "value" in variable:
+            monkeypatch.setenv(variable["name"], variable["value"])
+    culler = IdleCuller()
+    culler.parse_command_line(container["args"])
+    return culler
+
+
+def test_the_culler_runs_as_the_hub_service_the_wiring_names_with_hamis_metrics(monkeypatch):
+    values = merge(values_for(EXAMPLES_DIR), {"culler": {"hamiMetricsUrls": [*HAMI_MONITORS, FEDERATION],
+                                                         "interval": 30}})
+    rendered = {key(o): o for o in render(values)}
+    hub = values["jupyterhub"]["hub"]
+    service = rendered[("Service", NAMESPACE, "pool-culler")]
+    assert hub["services"]["culler"] == {"url": f"http://pool-culler:{service['spec']['ports'][0]['port']}",
+                                         "oauth_no_confirm": True, "display": True}
+    assert service["spec"]["selector"] == rendered[("Deployment", NAMESPACE, "pool-culler")]["spec"]["selector"][
+        "matchLabels"]
+    # Its role: exactly the culler's scopes, for the culler only; every user may open its page and API.
+    assert hub["loadRoles"][CULLER_ROLE] == {"description": hub["loadRoles"][CULLER_ROLE]["description"],
+                                             "scopes": list(CULLER_SCOPES), "services": ["culler"]}
+    assert "access:services!service=culler" in hub["loadRoles"]["user"]["scopes"]
+    container = culler_container(rendered)
+    assert container["command"] == ["python", "-m", "gpupool.hub.culler"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["JUPYTERHUB_API_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hub",
+                                                                       "key": "hub.services.culler.apiToken"}
+    assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "gpupool-postgres", "key": "password"}
+    # What the culler makes of the pod's environment and arguments: the Kubernetes mode's GPU signal and no CPU.
+    culler = culler_as_configured(container, monkeypatch)
+    assert culler.gpu_source == "hami" and culler.hami_metrics_urls == [*HAMI_MONITORS, FEDERATION]
+    assert culler.namespace == NAMESPACE and culler.cpu is False and culler.interval == 30
+    assert culler.port == container["ports"][0]["containerPort"] and service["spec"]["ports"][0]["targetPort"] == "http"
+    assert culler.prefix == "/services/culler/"
+    assert culler.public_url == "http://proxy-public/"
+    assert culler.hub_api_url == "http://hub:8081/hub/api"
+    assert culler.policy_dir == hub["extraEnv"]["GPUPOOL_POLICIES"]
+    assert culler.ledger_url == "postgresql+psycopg://gpupool@postgres.db.svc:5432/gpupool?sslmode=prefer"
+    # The accounting service's confinement: no Kubernetes token, read-only root, policies mounted.
+    accounting = rendered[("Deployment", NAMESPACE, "pool-accounting")]["spec"]["template"]["spec"]
+    pod = rendered[("Deployment", NAMESPACE, "pool-culler")]["spec"]["template"]["spec"]
+    assert pod["automountServiceAccountToken"] is False
+    assert pod["securityContext"] == accounting["securityContext"]
+    assert container["securityContext"] == accounting["containers"][0]["securityContext"]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["volumes"] == accounting["volumes"]
+    assert container["volumeMounts"] == accounting["containers"][0]["volumeMounts"]
+
+
+def test_the_culler_without_hami_urls_runs_without_a_gpu_signal_and_takes_its_own_settings(monkeypatch):
+    rendered = {key(o): o for o in render(values_for(EXAMPLES_DIR))}
+    culler = culler_as_configured(culler_container(rendered), monkeypatch)
+    assert culler.gpu_source == "hami" and culler.hami_metrics_urls == [] and culler.interval == 60
+    # The install's notes say so, and where to point it.
+    for urls, said in (([], True), (HAMI_MONITORS, False)):
+        with helm.Chart.load(CHART) as chart:
+            notes = chart.render(merge(values_for(EXAMPLES_DIR), {"culler": {"hamiMetricsUrls": urls}}), name=RELEASE,
+                                 namespace=NAMESPACE, is_install=True)["gpupool/templates/NOTES.txt"]
+        assert ("The idle culler has no GPU signal yet" in notes) is said
+    values = merge(values_for(EXAMPLES_DIR), {"culler": {
+        "gpuSource": "none", "hamiMetricsUrls": HAMI_MONITORS, "namespace": "users", "publicUrl": "http://hub.example/",
+        "extraArgs": ["--IdleCuller.concurrency=16"], "extraEnv": {"GPUPOOL_NAV_SERVICES": "accounting,culler"}}})
+    container = culler_container({key(o): o for o in render(values)})
+    assert not [a for a in container["args"] if "hami_metrics_urls" in a]
+    culler = culler_as_configured(container, monkeypatch)
+    assert (culler.gpu_source, culler.namespace, culler.public_url, culler.concurrency) == (
+        "none", "users", "http://hub.example/", 16)
+    assert {"name": "GPUPOOL_NAV_SERVICES", "value": "accounting,culler"} in container["env"]
+
+
+def test_a_disabled_culler_renders_nothing_of_it_and_is_not_registered_in_the_hub():
+    enabled = {key(o): o for o in render(values_for(EXAMPLES_DIR))}
+    values = values_without_culler(EXAMPLES_DIR)
+    rendered = {key(o): o for o in render(values)}
+    assert not [k for k in rendered if k[2] == "pool-culler"]
+    assert rendered == {k: o for k, o in enabled.items() if k[2] != "pool-culler"}
+    hub = values["jupyterhub"]["hub"]
+    assert "culler" not in hub["services"] and CULLER_ROLE not in hub["loadRoles"]
+    assert not [s for s in hub["loadRoles"]["user"]["scopes"] if "culler" in s]
+    # Nothing else of the wiring changes: the accounting service keeps its role.
+    assert hub["loadRoles"]["gpupool-accounting"]["scopes"] == list(ACCOUNTING_SCOPES)
+
+
+def test_the_chart_refuses_a_culler_the_hub_values_disagree_about():
+    # Disabled, but the hub would list a service nobody runs and give it a role: render without it.
+    with pytest.raises(helm.HelmRenderError, match=r"culler.enabled is false, .*--no-culler"):
+        render(merge(values_for(EXAMPLES_DIR), {"culler": {"enabled": False}}))
+    # Enabled, but the hub makes it no token (values from a gpupool without the culler): its pod could not start.
+    with pytest.raises(helm.HelmRenderError, match=r"culler.enabled: the values do not register the culler"):
+        render(merge(values_without_culler(EXAMPLES_DIR), {"culler": {"enabled": True}}))
+
+
 def test_chart_defaults_are_the_python_constants_and_version():
     with helm.Chart.load(CHART) as chart:
         defaults, metadata = chart.values, chart.metadata
     assert defaults["gpupool"]["accountingService"] == volcano.ACCOUNTING_SERVICE
     assert defaults["gpupool"]["accountingPort"] == volcano.ACCOUNTING_PORT
+    assert defaults["gpupool"]["cullerService"] == volcano.CULLER_SERVICE
+    assert defaults["gpupool"]["cullerPort"] == volcano.CULLER_PORT
+    assert defaults["culler"]["enabled"] is True and defaults["culler"]["publicUrl"] == "http://proxy-public/"
     assert defaults["gpupool"]["policyDir"] == volcano.POLICY_DIR
     assert metadata["appVersion"] == __version__
     assert metadata["apiVersion"] == "v2"
@@ -232,6 +352,8 @@ def test_chart_with_zero_to_jupyterhub_renders_valid_objects_and_our_hub_config(
     hub_values = yaml.safe_load(base64.b64decode(secret["data"]["values.yaml"]))
     assert hub_values["hub"]["config"]["JupyterHub"]["spawner_class"] == volcano.SPAWNER_CLASS
     assert "hub.services.accounting.apiToken" in secret["data"]
+    assert "hub.services.culler.apiToken" in secret["data"]
+    assert hub_values["hub"]["loadRoles"][CULLER_ROLE]["scopes"] == list(CULLER_SCOPES)
     assert hub_values["scheduling"]["userScheduler"]["enabled"] is False
 
 
@@ -248,6 +370,15 @@ def test_a_misspelled_section_or_key_is_an_error_that_names_it():
             chart.validate_schema(merge(values, {"accounting": {"imgae": {"name": "x"}}}))
         with pytest.raises(helm.HelmValuesError, match="/postgresql/sslmode"):
             chart.validate_schema(merge(values, {"postgresql": {"sslmode": "sometimes"}}))
+        with pytest.raises(helm.HelmValuesError, match=r"at '/culler': additional properties 'hamiMetricUrls'"):
+            chart.validate_schema(merge(values, {"culler": {"hamiMetricUrls": ["http://n:9394/metrics"]}}))
+        # NVML is the embedded mode's: a pod of the cluster sees no other pod's processes.
+        with pytest.raises(helm.HelmValuesError, match="/culler/gpuSource"):
+            chart.validate_schema(merge(values, {"culler": {"gpuSource": "nvml"}}))
+        with pytest.raises(helm.HelmValuesError, match="/culler/hamiMetricsUrls/0"):
+            chart.validate_schema(merge(values, {"culler": {"hamiMetricsUrls": ["node-1:9394"]}}))
+        with pytest.raises(helm.HelmValuesError, match="/culler/interval"):
+            chart.validate_schema(merge(values, {"culler": {"interval": 0}}))
         # Rendering applies the same schema, so a typo never installs.
         with pytest.raises(helm.HelmValuesError, match="mlfow"):
             chart.render(merge(values, {"mlfow": {"enabled": True}}), name=RELEASE, namespace=NAMESPACE)

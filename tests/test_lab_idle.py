@@ -11,13 +11,12 @@ idle; loading JupyterLab is CPU work of the server that may start the idle time 
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import requests
 
-from gpupool.hub.harness import Browser, Hub
+from gpupool.hub.harness import Browser, Hub, wait_for
 from gpupool.hub.lab_idle import culler_url, this_server, warned
 
 SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
@@ -65,16 +64,6 @@ for service in c.JupyterHub.services:
         yield hub
     finally:
         hub.stop()
-
-
-def wait_for(what, timeout: float = 180, every: float = 0.5, message: str = ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = what()
-        if found:
-            return found
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout} s: {message}")
 
 
 def seen_by_culler(hub: Hub, token: str) -> dict:

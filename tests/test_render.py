@@ -25,6 +25,7 @@ import yaml
 from gpupool.hub.cli import main
 from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR, load_policy
 from gpupool.spawner import volcano
+from gpupool.spawner.wiring import CULLER_SCOPES
 from gpupool.policies.resources import profile_gpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,6 +248,7 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
             "services": {
                 "accounting": {"url": "http://gpupool-accounting:8080", "oauth_no_confirm": True, "display": True},
                 "mlflow": {"url": "http://gpupool-mlflow:5000", "oauth_no_confirm": True, "display": True},
+                "culler": {"url": "http://gpupool-culler:8080", "oauth_no_confirm": True, "display": True},
             },
             "loadRoles": {
                 "gpupool-accounting": {
@@ -259,7 +261,14 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
                     "scopes": [],
                     "services": ["mlflow"],
                 },
-                "user": {"scopes": ["self", "access:services!service=accounting", "access:services!service=mlflow"]},
+                "gpupool-culler": {
+                    "description": "gpupool-culler warns, then stops, servers whose GPU share sits idle",
+                    "scopes": ["list:users", "read:users:name", "read:servers", "admin:server_state",
+                               "delete:servers", "tokens"],
+                    "services": ["culler"],
+                },
+                "user": {"scopes": ["self", "access:services!service=accounting", "access:services!service=mlflow",
+                                    "access:services!service=culler"]},
             },
         },
         "scheduling": {
@@ -268,6 +277,28 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
             "podPriority": {"enabled": False},
         },
     }
+
+
+def test_the_culler_role_has_exactly_its_scopes_and_without_the_culler_nothing_of_it_is_registered():
+    policy, release = load_policy(DEFAULT_POLICY_DIR), volcano.Release("gpupool", "jhub")
+    hub = volcano.jupyterhub_values(policy, release)["hub"]
+    assert hub["loadRoles"]["gpupool-culler"]["scopes"] == list(CULLER_SCOPES)
+    assert hub["loadRoles"]["gpupool-culler"]["services"] == ["culler"]
+    without = volcano.jupyterhub_values(policy, release, culler=False)
+    assert set(without["hub"]["services"]) == {"accounting", "mlflow"}
+    assert set(without["hub"]["loadRoles"]) == {"gpupool-accounting", "gpupool-mlflow", "user"}
+    assert without["hub"]["loadRoles"]["user"]["scopes"] == [
+        "self", "access:services!service=accounting", "access:services!service=mlflow"]
+    # Everything else is the same wiring.
+    for section in (hub, without["hub"]):
+        section.pop("services"), section.pop("loadRoles")
+    assert without["hub"] == hub
+    # The chart's values carry the culler's Service name and port, and its registration only when it runs.
+    files = {p.name: p.read_text() for p in sorted(DEFAULT_POLICY_DIR.glob("*.yaml"))}
+    generated = volcano.helm_values(policy, files, release, culler=False)
+    assert generated["gpupool"]["cullerService"] == "culler"
+    assert generated["gpupool"]["cullerPort"] == volcano.CULLER_PORT
+    assert generated["jupyterhub"] == volcano.jupyterhub_values(policy, release, culler=False)
 
 
 def test_teams_from_the_authenticator_hand_groups_to_it_and_say_what_is_lost():

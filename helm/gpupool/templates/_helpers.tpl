@@ -77,3 +77,155 @@ spawner/volcano.py: policies_digest computes it (map keys in sorted order, "name
 {{- fail (printf "jupyterhub.hub.extraEnv.PGPASSWORD: the hub records usage in the ledger and needs the PostgreSQL password from the same Secret as the accounting service; add to your values:\n  jupyterhub:\n    hub:\n      extraEnv:\n        PGPASSWORD:\n          valueFrom:\n            secretKeyRef: {name: %s, key: %s}" $pg.existingSecret $pg.passwordKey) -}}
 {{- end -}}
 {{- end }}
+
+{{/*
+A gpupool hub service that the chart runs beside the hub (the accounting service, the idle culler): one pod and
+its Service, registered in the hub by `gpupool render --helm-values` (jupyterhub.hub.services.<service>). The pod
+reads the policies and the ledger and is a JupyterHub service (HubOAuth for users, its own token for the hub's
+API): the token is z2jh's `hub.services.<service>.apiToken` in the hub Secret. The hub's address and Secret are
+accounting.hubApiUrl and accounting.hubSecretName for every such service (MLflow's too).
+Call with (dict "context" $ "component" "culler" "service" "culler" "port" 8080 "settings" .Values.culler
+"args" (list "--x") "env" (list (dict "name" "X" "value" "x"))); args and env are optional.
+*/}}
+{{- define "gpupool.hubService" -}}
+{{- $c := .context -}}
+{{- $s := .settings -}}
+{{- $component := .component -}}
+{{- $service := .service -}}
+{{- $port := int .port -}}
+{{- $prefix := printf "/services/%s/" $service -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ $c.Release.Name }}-{{ $component }}
+  namespace: {{ $c.Release.Namespace }}
+  labels:
+    {{- include "gpupool.labels" (dict "context" $c "component" $component) | nindent 4 }}
+spec:
+  replicas: 1
+  selector:
+    matchLabels:
+      {{- include "gpupool.selector" (dict "context" $c "component" $component) | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "gpupool.labels" (dict "context" $c "component" $component) | nindent 8 }}
+      annotations:
+        # The service reads the policies (prices, budgets, idle rules): new policy files, new pods.
+        gpupool.io/policies-digest: {{ $c.Values.gpupool.policiesDigest | quote }}
+    spec:
+      # The service talks to the hub, not to the Kubernetes API.
+      automountServiceAccountToken: false
+      {{- with $s.imagePullSecrets }}
+      imagePullSecrets:
+        {{- range . }}
+        - name: {{ . | quote }}
+        {{- end }}
+      {{- end }}
+      securityContext:
+        {{- toYaml $s.podSecurityContext | nindent 8 }}
+      containers:
+        - name: {{ $component }}
+          image: {{ include "gpupool.image" (dict "context" $c "image" $s.image) | quote }}
+          imagePullPolicy: {{ $s.image.pullPolicy }}
+          command:
+            {{- toYaml $s.command | nindent 12 }}
+          {{- with .args }}
+          args:
+            {{- range . }}
+            - {{ . | quote }}
+            {{- end }}
+          {{- end }}
+          ports:
+            - name: http
+              containerPort: {{ $port }}
+          env:
+            - name: GPUPOOL_POLICIES
+              value: {{ $c.Values.gpupool.policyDir | quote }}
+            - name: GPUPOOL_LEDGER_URL
+              value: {{ include "gpupool.postgresql.url" (dict "context" $c "driver" "postgresql+psycopg" "database" $c.Values.postgresql.database) | quote }}
+            {{- include "gpupool.postgresql.passwordEnv" $c | nindent 12 }}
+            # What a JupyterHub service needs to authenticate users and call the hub (HubOAuth, HubAuth).
+            - name: JUPYTERHUB_SERVICE_NAME
+              value: {{ $service | quote }}
+            - name: JUPYTERHUB_SERVICE_PREFIX
+              value: {{ $prefix | quote }}
+            # Where the service listens: on the pod's addresses, reached by the hub's proxy through the Service.
+            - name: JUPYTERHUB_SERVICE_URL
+              value: {{ printf "http://0.0.0.0:%d" $port | quote }}
+            - name: JUPYTERHUB_API_URL
+              value: {{ $c.Values.accounting.hubApiUrl | quote }}
+            - name: JUPYTERHUB_API_TOKEN
+              valueFrom:
+                secretKeyRef:
+                  name: {{ $c.Values.accounting.hubSecretName | quote }}
+                  key: {{ printf "hub.services.%s.apiToken" $service | quote }}
+            - name: JUPYTERHUB_CLIENT_ID
+              value: {{ printf "service-%s" $service | quote }}
+            - name: JUPYTERHUB_OAUTH_CALLBACK_URL
+              value: {{ printf "%soauth_callback" $prefix | quote }}
+            {{- range .env }}
+            - name: {{ .name | quote }}
+              value: {{ .value | quote }}
+            {{- end }}
+            {{- range $name, $value := $s.extraEnv }}
+            - name: {{ $name | quote }}
+              value: {{ $value | quote }}
+            {{- end }}
+          readinessProbe:
+            tcpSocket:
+              port: http
+            periodSeconds: 10
+          livenessProbe:
+            tcpSocket:
+              port: http
+            initialDelaySeconds: 30
+            periodSeconds: 30
+          {{- with $s.resources }}
+          resources:
+            {{- toYaml . | nindent 12 }}
+          {{- end }}
+          securityContext:
+            {{- toYaml $s.containerSecurityContext | nindent 12 }}
+          volumeMounts:
+            - name: policies
+              mountPath: {{ $c.Values.gpupool.policyDir | quote }}
+              readOnly: true
+            - name: tmp
+              mountPath: /tmp
+      volumes:
+        - name: policies
+          configMap:
+            name: {{ $c.Release.Name }}-policies
+        # The root filesystem is read-only.
+        - name: tmp
+          emptyDir: {}
+      {{- with $s.nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $s.tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $s.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ $c.Release.Name }}-{{ $component }}
+  namespace: {{ $c.Release.Namespace }}
+  labels:
+    {{- include "gpupool.labels" (dict "context" $c "component" $component) | nindent 4 }}
+spec:
+  type: ClusterIP
+  selector:
+    {{- include "gpupool.selector" (dict "context" $c "component" $component) | nindent 4 }}
+  ports:
+    - name: http
+      port: {{ $port }}
+      targetPort: http
+{{- end }}
