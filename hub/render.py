@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-plugin-namespace", default="gpu-operator", metavar="NS",
                         help="namespace of the NVIDIA device plugin, where its time-slicing ConfigMap goes "
                         "(default: gpu-operator)")
+    parser.add_argument("--no-culler", action="store_true",
+                        help="leave gpupool's idle culler out of the hub's wiring (its service and role); the "
+                        "chart's values then need `culler.enabled: false` (docs/kubernetes.md)")
 
 
 def dump(documents: list[Any]) -> str:
@@ -108,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         release = volcano.Release(args.release, args.namespace, args.device_plugin_namespace)
         if args.helm_values:
-            text = dump([volcano.helm_values(policy, files, release)])
+            text = dump([volcano.helm_values(policy, files, release, culler=not args.no_culler)])
             objects = None
         else:
             objects = volcano.cluster_objects(policy, files, release)
@@ -125,7 +128,8 @@ def main(args: argparse.Namespace) -> int:
     if args.output:
         folder = Path(args.output)
         written = {object_filename(i, obj): dump([obj]) for i, obj in enumerate(objects)}
-        written[JUPYTERHUB_VALUES_FILE] = dump([volcano.jupyterhub_values(policy, release)])
+        written[JUPYTERHUB_VALUES_FILE] = dump([volcano.jupyterhub_values(policy, release,
+                                                                      culler=not args.no_culler)])
         try:
             write_folder(folder, written)
         except (ValueError, OSError) as error:

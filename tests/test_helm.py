@@ -164,6 +164,10 @@ def test_the_jupyterhub_wiring_points_at_what_the_chart_creates():
     assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "gpupool-postgres", "key": "password"}
     assert deployment["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     assert {m["mountPath"] for m in container["volumeMounts"]} == {"/etc/gpupool/policies", "/tmp"}
+    # Zero-to-JupyterHub's NetworkPolicy admits to the hub's API only the pods it labels so: every service calls it.
+    for name in ("pool-accounting", "pool-culler"):
+        labels = rendered[("Deployment", NAMESPACE, name)]["spec"]["template"]["metadata"]["labels"]
+        assert labels["hub.jupyter.org/network-access-hub"] == "true", name
     # The hub records usage in the same ledger, with the same password Secret.
     ledger = hub["extraEnv"]["GPUPOOL_LEDGER_URL"]["valueFrom"]["configMapKeyRef"]
     assert rendered[("ConfigMap", NAMESPACE, ledger["name"])]["data"][ledger["key"]] == env["GPUPOOL_LEDGER_URL"]["value"]
@@ -204,7 +208,9 @@ def test_mlflow_runs_the_gpupool_app_as_the_hub_service_the_wiring_names():
     service = rendered[("Service", NAMESPACE, "pool-mlflow")]
     assert hub["services"]["mlflow"]["url"] == f"http://pool-mlflow:{service['spec']['ports'][0]['port']}"
     assert hub["config"]["GPUKubeSpawner"]["mlflow_url"] == "http://proxy-public/services/mlflow/"
-    container = rendered[("Deployment", NAMESPACE, "pool-mlflow")]["spec"]["template"]["spec"]["containers"][0]
+    pod = rendered[("Deployment", NAMESPACE, "pool-mlflow")]["spec"]["template"]
+    assert pod["metadata"]["labels"]["hub.jupyter.org/network-access-hub"] == "true"  # it checks hub tokens
+    container = pod["spec"]["containers"][0]
     assert container["command"][:3] == ["mlflow", "server", "--app-name=gpupool"]
     assert "--static-prefix=/services/mlflow" in container["command"]
     assert "--serve-artifacts" in container["command"] and "--artifacts-destination=s3://mlflow/" in container["command"]

@@ -299,6 +299,10 @@ def test_the_culler_role_has_exactly_its_scopes_and_without_the_culler_nothing_o
     assert generated["gpupool"]["cullerService"] == "culler"
     assert generated["gpupool"]["cullerPort"] == volcano.CULLER_PORT
     assert generated["jupyterhub"] == volcano.jupyterhub_values(policy, release, culler=False)
+    # The command line: `gpupool render --helm-values --no-culler` (and --output's values file) leave it out.
+    printed = yaml.safe_load(run("render", "--policies", str(DEFAULT_POLICY_DIR), "--namespace", "jhub",
+                                 "--helm-values", "--no-culler")[1])
+    assert printed["jupyterhub"] == volcano.jupyterhub_values(policy, release, culler=False)
 
 
 def test_teams_from_the_authenticator_hand_groups_to_it_and_say_what_is_lost():

@@ -110,6 +110,8 @@ spec:
     metadata:
       labels:
         {{- include "gpupool.labels" (dict "context" $c "component" $component) | nindent 8 }}
+        # Zero-to-JupyterHub's NetworkPolicy lets only pods with this label reach the hub's API.
+        hub.jupyter.org/network-access-hub: "true"
       annotations:
         # The service reads the policies (prices, budgets, idle rules): new policy files, new pods.
         gpupool.io/policies-digest: {{ $c.Values.gpupool.policiesDigest | quote }}
