@@ -372,16 +372,28 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
             session.commit()
 
     def check_named_server(self) -> None:
-        """A 403 for a named server of a user whose teams allow none (`named_servers: 0`).
+        """A 403 for a named server beyond what the user's teams allow (`teams.TEAM.named_servers`).
 
-        JupyterHub counts named servers against `named_server_limit_per_user` but reads 0 as "no limit", so the
-        teams' 0 is enforced here, before anything starts.
+        JupyterHub counts named servers against `named_server_limit_per_user`, but reads 0 as "no limit", and in
+        the Kubernetes mode that limit is one static number for everyone (the largest of the teams'): the limit
+        of the user's own teams is enforced here, before anything starts.
         """
         teams = self.user_teams()
-        if self.name and teams and self.policy.named_server_limit(teams) == 0:
+        if not self.name or not teams:
+            return
+        limit = self.policy.named_server_limit(teams)
+        if limit == 0:
             raise web.HTTPError(
                 403, f"{self.user.name}'s teams ({', '.join(teams)}) allow no named servers "
                      f"(teams.TEAM.named_servers is 0): start the default server instead"
+            )
+        others = sorted(name for name, spawner in (getattr(self.user, "spawners", None) or {}).items()
+                        if name and name != self.name and (spawner.active or spawner.ready))
+        if len(others) >= limit:
+            raise web.HTTPError(
+                403, f"{self.user.name}'s teams ({', '.join(teams)}) allow {limit} named server"
+                     f"{'' if limit == 1 else 's'} at once (teams.TEAM.named_servers), and "
+                     f"{', '.join(others)} run{'s' if len(others) == 1 else ''}: stop one first"
             )
 
     def check_user_options(self, options: dict) -> Choice:

@@ -340,9 +340,15 @@ def jupyterhub_values(policy: Policy, release: Release, culler: bool = True) -> 
         services[CULLER_SERVICE] = {"url": f"http://{release.culler_service}:{CULLER_PORT}"}
     for service in services.values():
         service.update(oauth_no_confirm=True, display=True)
+    # Named servers (`/user/NAME/SERVER`, each its own pod and profile), as in the embedded mode: z2jh takes one
+    # static limit for everyone, the largest of the teams'; the spawner refuses a named server beyond the limit of
+    # its user's own teams (`GPUPoolSpawnerMixin.check_named_server`). JupyterHub reads a limit of 0 as "none".
+    most_named = max((team.named_servers for team in policy.teams.values()), default=0)
     return {
         "hub": {
             "config": config,
+            "allowNamedServers": most_named > 0,
+            "namedServerLimitPerUser": most_named,
             # The ledger GPUKubeSpawner admits against and records usage in; the chart makes the ConfigMap
             # from its postgresql values (the password, PGPASSWORD, is the operator's: see the chart's check).
             "extraEnv": {

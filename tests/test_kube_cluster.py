@@ -391,6 +391,22 @@ def test_a_real_hub_starts_a_notebook_pod_its_user_reaches_which_survives_a_hub_
             assert again.status_code == 200, again.text
             assert [i.key for i in ledger.open_intervals()] == [held.key]
 
+            # A named server beside it: a pod of its own, its own run in the ledger; stopping it leaves the other.
+            reply = hub.api("POST", "/users/alice/servers/second", json={"profile": "h200-quarter"})
+            assert reply.status_code in (201, 202), reply.text
+            hub.wait_ready("alice", timeout=240, server="second")
+            pods = cluster.get(f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector=hub.jupyter.org/username=alice")
+            named = [p for p in pods["items"] if p["metadata"]["name"] != pod["metadata"]["name"]]
+            assert len(pods["items"]) == 2 and named[0]["status"]["phase"] == "Running", pods["items"]
+            assert named[0]["metadata"]["annotations"]["hub.jupyter.org/servername"] == "second"
+            second = [i for i in ledger.open_intervals() if i.key != held.key]
+            assert len(second) == 1 and second[0].run != held.run and second[0].share == Fraction(1, 4)
+            hub.stop_server("alice", timeout=120, server="second")
+            assert ledger.interval(second[0].key).how == HowEnded.STOPPED
+            assert [i.key for i in ledger.open_intervals()] == [held.key]
+            assert requests.get(f"{hub.url}/user/alice/api/status", headers={"Authorization": f"token {token}"},
+                                timeout=30).status_code == 200
+
             hub.stop_server("alice", timeout=120)
             gone = cluster.api().get(f"{cluster.url}/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}",
                                      timeout=10)

@@ -1099,3 +1099,30 @@ def test_every_private_upstream_member_gpukubespawner_uses_is_listed():
     assert listed - used <= {"reflectors", "pod_reflector", "event_reflector", "load_user_options", "kind",
                              "api_group_name", "list_method_name", "first_load_future", "resources", "start",
                              "events"}  # public names, used on reflectors or through `self.__class__`
+
+
+@pytest.mark.asyncio
+async def test_a_named_server_beyond_the_teams_limit_is_refused_before_anything_starts(tmp_path):
+    # In the Kubernetes mode the hub's limit is one number for everyone (the largest of the teams'): the spawner
+    # holds each user to the limit of their own teams, counting their other named servers that run or start.
+    policies = policy_copy(tmp_path, queue_timeout=30)
+    teams = yaml.safe_load((policies / "teams.yaml").read_text())
+    teams["teams"]["vision"]["named_servers"] = 1
+    (policies / "teams.yaml").write_text(yaml.safe_dump(teams, sort_keys=False, allow_unicode=True))
+    hub = HubDB(spawner_config(policies))
+    user = hub.user("alice", ("vision",))
+    spawners = {name: user.get_or_create_spawner(name, name) for name in ("", "first", "second")}
+    for name in ("", "first"):  # the default server does not count; "first" runs
+        orm_server = orm.Server(base_url=f"/user/alice/{name}")
+        hub.db.add(orm_server)
+        hub.db.commit()
+        spawners[name].orm_spawner.server = orm_server
+        hub.db.commit()
+    spawners["first"].check_named_server()  # itself, starting again: allowed
+    with pytest.raises(web.HTTPError, match=r"allow 1 named server at once \(teams.TEAM.named_servers\), and first "
+                                            r"runs: stop one first") as refused:
+        spawners["second"].check_named_server()
+    assert refused.value.status_code == 403
+    spawners["first"].orm_spawner.server = None  # stopped
+    hub.db.commit()
+    spawners["second"].check_named_server()

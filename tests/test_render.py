@@ -236,6 +236,9 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
                 "KubeSpawner": {"automount_service_account_token": False},
                 "GPUKubeSpawner": {"mlflow_url": "http://proxy-public/services/mlflow/"},
             },
+            # Named servers as in the embedded mode: the largest of the teams' limits (the default, 2).
+            "allowNamedServers": True,
+            "namedServerLimitPerUser": 2,
             "extraEnv": {
                 "GPUPOOL_POLICIES": "/etc/gpupool/policies",
                 "GPUPOOL_LEDGER_URL": {"valueFrom": {"configMapKeyRef": {"name": "gpupool-hub-env",
@@ -303,6 +306,18 @@ def test_the_culler_role_has_exactly_its_scopes_and_without_the_culler_nothing_o
     printed = yaml.safe_load(run("render", "--policies", str(DEFAULT_POLICY_DIR), "--namespace", "jhub",
                                  "--helm-values", "--no-culler")[1])
     assert printed["jupyterhub"] == volcano.jupyterhub_values(policy, release, culler=False)
+
+
+def test_named_servers_are_allowed_up_to_the_largest_teams_limit(tmp_path):
+    policies = tmp_path / "policies"
+    shutil.copytree(DEFAULT_POLICY_DIR, policies, ignore=shutil.ignore_patterns("examples", "*.py", "__pycache__"))
+    teams = yaml.safe_load((policies / "teams.yaml").read_text())
+    for limits in ((0, 0), (1, 3)):
+        for team, limit in zip(sorted(teams["teams"]), limits):
+            teams["teams"][team]["named_servers"] = limit
+        (policies / "teams.yaml").write_text(yaml.safe_dump(teams, sort_keys=False, allow_unicode=True))
+        hub = volcano.jupyterhub_values(load_policy(policies), volcano.Release())["hub"]
+        assert (hub["allowNamedServers"], hub["namedServerLimitPerUser"]) == (max(limits) > 0, max(limits))
 
 
 def test_teams_from_the_authenticator_hand_groups_to_it_and_say_what_is_lost():
