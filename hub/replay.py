@@ -434,6 +434,8 @@ class Replay:
     unknown_team: int = 0
     timeline: list[tuple[float, float, int]] = field(default_factory=list)  # (t, GPUs held, queue length)
     aborted: bool = False  # stopped early: a team's p95 wait was sure to exceed `give_up_over`
+    #: The GPU-hour budget per period (UTC month) of each team that has one, all models (`teams.T.budget`).
+    budgets: dict[str, float] = field(default_factory=dict)
 
 
 def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Card] | None = None,
@@ -531,8 +533,10 @@ def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Ca
             heapq.heappush(heap, (now + placed.duration, 0, arrived, outcome.key))
         if aborted:
             break
+    budgets = {name: float(team.budget.gpu_hours) for name, team in policy.teams.items()
+               if team.budget.gpu_hours is not None}
     return Replay(results, placed_order, {m: cluster.capacity(m) for m in cluster.by_model}, start, now, events,
-                  unknown, timeline, aborted)
+                  unknown, timeline, aborted, budgets)
 
 
 # --- results ------------------------------------------------------------------------------------------
@@ -546,8 +550,26 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
+def over_budget(run: Replay, team: str, results: list[JobResult]) -> float:
+    """GPU-hours `team` ran past its budget, summed over the periods (UTC months) the replay spans: what an
+    `on_exhausted: alert` team overspends (a `deny` team's are refused, a `deprioritize` team's run late)."""
+    budget = run.budgets.get(team)
+    if budget is None:
+        return 0.0
+    used: dict[str, float] = {}
+    for r in results:
+        if r.started is None:
+            continue
+        end = r.ended if r.ended is not None else run.end
+        for piece in periods.split_by_month(run.start + timedelta(seconds=r.started),
+                                            run.start + timedelta(seconds=end)):
+            used[piece.period] = used.get(piece.period, 0.0) + float(r.job.share) * piece.duration.total_seconds() / 3600
+    return sum(max(0.0, hours - budget) for hours in used.values())
+
+
 def summary(run: Replay) -> dict:
-    """Per team and overall: GPU-hours, utilisation, queue wait p50/p95/max, jobs per day, denied, deprioritized."""
+    """Per team and overall: GPU-hours, utilisation, queue wait p50/p95/max, jobs per day, denied, deprioritized,
+    GPU-hours over budget."""
     capacity = sum(run.capacity.values())
     arrivals = [r.job.arrival for r in run.results.values()]
     begin = min(arrivals, default=0.0)
@@ -573,13 +595,17 @@ def summary(run: Replay) -> dict:
     teams: dict[str, list[JobResult]] = {}
     for r in run.results.values():
         teams.setdefault(r.job.team, []).append(r)
+    by_team = {team: {**block(rs), "over_budget_gpu_hours": round(over_budget(run, team, rs), 2)}
+               for team, rs in sorted(teams.items())}
+    overall = {**block(list(run.results.values())),
+               "over_budget_gpu_hours": round(sum(b["over_budget_gpu_hours"] for b in by_team.values()), 2)}
     return {
         "capacity": dict(run.capacity),
         "days": round(span / SECONDS_PER_DAY, 2),
         "events": run.events,
         "not_in_policies": run.unknown_team,
-        "overall": block(list(run.results.values())),
-        "teams": {team: block(rs) for team, rs in sorted(teams.items())},
+        "overall": overall,
+        "teams": by_team,
     }
 
 
@@ -595,7 +621,8 @@ def _duration(seconds: float) -> str:
 TIMELINE_POINTS = 400
 COLUMNS = [("jobs", "jobs"), ("completed", "done"), ("gpu_hours", "GPU-h"), ("utilisation", "util"),
            ("wait_p50_s", "wait p50"), ("wait_p95_s", "wait p95"), ("wait_max_s", "wait max"),
-           ("completed_per_day", "done/day"), ("denied", "denied"), ("deprioritized", "deprio")]
+           ("completed_per_day", "done/day"), ("denied", "denied"), ("deprioritized", "deprio"),
+           ("over_budget_gpu_hours", "over budget GPU-h")]
 
 
 def _cell(key: str, value) -> str:

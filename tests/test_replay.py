@@ -157,6 +157,27 @@ def test_budgets_deprioritize_and_deny_on_the_virtual_clock():
     assert s["teams"]["vision"]["deprioritized"] == 2  # its one GPU-hour is used after the first job
     assert s["teams"]["nlp"]["denied"] == 2  # two GPU-hours, then on_exhausted: deny
     assert "budget of 2 GPU-hours for 2026-03 used" in run.results["n2"].denied
+    # Deprioritized work still runs, past the budget: vision's three GPU-hours against its one; nlp's refusals
+    # keep it within its two; audio has no budget.
+    assert s["teams"]["vision"]["over_budget_gpu_hours"] == 2.0
+    assert s["teams"]["nlp"]["over_budget_gpu_hours"] == 0.0
+    assert s["overall"]["over_budget_gpu_hours"] == 2.0
+
+
+def test_budget_overruns_are_counted_per_period():
+    # An `alert` team's one GPU-hour a month: its work past it, month by month (START is 2 h before April).
+    alert = POLICY.model_copy(update={"teams": {"audio": POLICY.teams["audio"].model_copy(update={
+        "budget": POLICY.teams["vision"].budget.model_copy(update={"on_exhausted": "alert"})})}})
+    split = [R.Job(f"a{i}", "audio-a", "audio", "H200", Fraction(1), 0.0, 7200.0 + 7200.0 * i) for i in range(2)]
+    # a0 runs 22:00–24:00 (2 h in March), a1 22:00–02:00 (2 h in March, 2 h in April): March 4 h, April 2 h.
+    run = R.replay(R.Workload(split, START), alert)
+    assert R.summary(run)["teams"]["audio"]["over_budget_gpu_hours"] == 3.0 + 1.0
+    # Half a card for 4 h across the month's end: 1 GPU-h in each month, within both budgets.
+    across = [R.Job("b", "audio-a", "audio", "H200", Fraction(1, 2), 0.0, 3600.0 * 4)]
+    assert R.summary(R.replay(R.Workload(across, START), alert))["teams"]["audio"]["over_budget_gpu_hours"] == 0.0
+    # The same 2 GPU-h inside March: one over.
+    inside = R.Workload(across, datetime(2026, 3, 1, tzinfo=timezone.utc))
+    assert R.summary(R.replay(inside, alert))["teams"]["audio"]["over_budget_gpu_hours"] == 1.0
 
 
 PHILLY = TRACES / "philly" / "philly.csv"
