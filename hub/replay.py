@@ -21,15 +21,18 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta, timezone
 from fractions import Fraction
 from pathlib import Path
 
 from gpupool.hub.accounting import admission, periods
-from gpupool.hub.accounting.admission import DIRECT_PROFILE, LOWEST_PRIORITY, AdmissionRequest, Holdings, Usage
+from gpupool.hub.accounting.admission import (
+    DIRECT_PROFILE, LOWEST_PRIORITY, AdmissionRequest, Holdings, Reason, Usage,
+)
 from gpupool.hub.accounting.export import USAGE_HEADER, usage_rows
 from gpupool.hub.accounting.periods import period_of
+from gpupool.hub.accounting.preemption import Holder, victims
 from gpupool.policies import PolicyError, load_policy
 from gpupool.policies.model import PLACEMENTS, Policy
 from gpupool.spawner.placement import (
@@ -57,6 +60,8 @@ class Job:
     arrival: float  # seconds after the workload's start
     duration: float  # seconds it runs once placed
     profile: str | None = None  # a policy profile; None asks for the model and share directly (jobs)
+    kind: str = "job"  # `job` or `server`: which requests may preempt (`jobs.preemption.by`); servers never are
+    preemptible: bool = False  # a job others of higher priority may stop (it resumes later where it stopped)
 
 
 @dataclass(frozen=True)
@@ -410,15 +415,24 @@ def holding_less(holdings: Holdings, allocation: Allocation) -> Holdings:
 @dataclass
 class JobResult:
     job: Job
-    started: float | None = None
+    started: float | None = None  # its first start
     ended: float | None = None
     cards: tuple[str, ...] = ()
     denied: str = ""
     deprioritized: bool = False
+    #: Times it was preempted, and each stretch it ran (start, end): one without preemption.
+    preempted: int = 0
+    pieces: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def wait(self) -> float | None:
         return None if self.started is None else self.started - self.job.arrival
+
+    def ran(self, until: float) -> list[tuple[float, float]]:
+        """Its stretches of running, the one still running ending at `until`."""
+        return self.pieces + ([(self._running_since, until)] if self._running_since is not None else [])
+
+    _running_since: float | None = None
 
 
 @dataclass
@@ -436,6 +450,58 @@ class Replay:
     aborted: bool = False  # stopped early: a team's p95 wait was sure to exceed `give_up_over`
     #: The GPU-hour budget per period (UTC month) of each team that has one, all models (`teams.T.budget`).
     budgets: dict[str, float] = field(default_factory=dict)
+
+
+def preempt(policy: Policy, cluster: Cluster, outcomes: list, pending: dict[str, tuple[Request, int]],
+            running: dict[str, bool], results: dict[str, JobResult]) -> list[str]:
+    """The jobs to stop for the first request of the queue that waits for room and may preempt
+    (`accounting.preemption.victims`, as the embedded job runner asks it: one request at a time); [] for none.
+    A stopped job loses nothing: it resumes where it stopped (a periodic checkpoint makes that nearly true).
+    `running`: the preemptible jobs running (servers never are), and whether each runs deprioritized."""
+    rules = policy.jobs.preemption
+    if not rules.enabled or not running:
+        return []
+    # Per model, the head of the queue among those that wait for room: the queue lets no later request of that
+    # model overtake it, so it is the one room would be made for.
+    heads: dict[str, Request] = {}
+    for outcome in outcomes:
+        if outcome.action == "wait" and outcome.code is Reason.NO_CAPACITY and outcome.key in pending:
+            request = pending[outcome.key][0]
+            heads.setdefault(request.model, request)
+    for request in sorted(heads.values(), key=lambda r: (-r.priority, pending[r.key][1])):
+        kind = results[request.key].job.kind
+        holders = []
+        for key, deprioritized in running.items():
+            held, job = cluster.held[key], results[key].job
+            if held.model == request.model:
+                holders.append(Holder(key, held.model, held.cards, min(held.share, Fraction(1)),
+                                      policy.teams[job.team].priority, True, deprioritized,
+                                      results[key]._running_since or 0.0))
+        if not holders:
+            continue
+        nodes = cluster.nodes.get(request.model, [])
+        cards = [c.uuid for node in nodes for c in node]
+        placement = placement_for(policy, request.model)
+        sizes = [len(node) for node in nodes]
+
+        def fits(free: list[Fraction], share: Fraction, sizes=sizes, placement=placement):
+            # The cluster's own rule: a share up to a node's size on one node, a larger one gang-placed.
+            offset = 0
+            if share <= max(sizes, default=0):
+                for size in sizes:
+                    chosen = choose_cards(free[offset:offset + size], share, placement)
+                    if chosen is not None:
+                        return [offset + i for i in chosen]
+                    offset += size
+                return None
+            whole = [i for i, f in enumerate(free) if f >= 1]
+            return whole[:int(share)] if len(whole) >= share else None
+
+        chosen = victims(rules, kind, request.priority, request.model, request.share, cards, dict(cluster.used),
+                         holders, fits)
+        if chosen:
+            return chosen
+    return []
 
 
 def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Card] | None = None,
@@ -476,6 +542,11 @@ def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Ca
         heap.append((job.arrival, 1, seq, job.key))
     heapq.heapify(heap)
     pending: dict[str, tuple[Request, int]] = {}
+    requests_of: dict[str, Request] = {}
+    seq_of: dict[str, int] = {}
+    ends: dict[str, float] = {}  # when each running job's current stretch ends (later heap entries are stale)
+    remaining: dict[str, float] = {}  # seconds a preempted job still has to run
+    running: dict[str, bool] = {}  # running preemptible jobs, and whether each runs deprioritized (over budget)
     holdings = Holdings()  # what `Holdings.of` gives for the cluster's allocations, kept as they change
     placed_order: list[str] = []
     events, now = 0, 0.0
@@ -495,10 +566,16 @@ def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Ca
                 timeline.append((next_sample, held_gpus, len(pending)))
                 next_sample += step
         if kind == 0:
+            if ends.get(key) != now:
+                continue  # the end of a stretch that a preemption cut short
+            del ends[key]
+            running.pop(key, None)
             holdings = holding_less(holdings, cluster.release(key))
             result.ended = now
+            result.pieces.append((result._running_since, now))
+            result._running_since = None
             held_gpus -= float(job.share)
-            meter.ended(job.team, float(job.share), result.started, now)
+            meter.ended(job.team, float(job.share), result.pieces[-1][0], now)
         else:
             if job.share > cluster.capacity(job.model):  # as the pool refuses at once: it could never fit
                 result.denied = (f"{job.share} × {job.model} can never fit: the pool has "
@@ -508,29 +585,52 @@ def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Ca
             request = Request(key, job.user, job.team, profile, f"{job.share} × {job.model}", job.model,
                               job.share, policy.teams[job.team].priority)
             pending[key] = (request, seq)
+            requests_of[key], seq_of[key] = request, seq
         if not pending:
             continue
         decide.at(now)
-        outcomes, _ = admit_in_order(list(pending.values()), holdings, decide, cluster.reserve, cluster.capacity)
-        for outcome in outcomes:
-            if outcome.action == "wait":
-                continue
-            done = results[outcome.key]
-            arrived = pending.pop(outcome.key)[1]
-            if outcome.action == "deny":
-                done.denied = outcome.reason
-                continue
-            placed = done.job
-            done.started, done.cards = now, outcome.allocation.cards
-            if give_up_over is not None and now - placed.arrival > give_up_over:
-                late[placed.team] = late.get(placed.team, 0) + 1
-                aborted = aborted or late[placed.team] > allowed[placed.team]
-            done.deprioritized = decide.last[outcome.key].priority == LOWEST_PRIORITY
-            holdings = holding_more(holdings, outcome.allocation)
-            placed_order.append(outcome.key)
-            held_gpus += float(placed.share)
-            meter.started(placed.team, float(placed.share), now)
-            heapq.heappush(heap, (now + placed.duration, 0, arrived, outcome.key))
+        while True:
+            outcomes, _ = admit_in_order(list(pending.values()), holdings, decide, cluster.reserve, cluster.capacity)
+            for outcome in outcomes:
+                if outcome.action == "wait":
+                    continue
+                done = results[outcome.key]
+                arrived = pending.pop(outcome.key)[1]
+                if outcome.action == "deny":
+                    done.denied = outcome.reason
+                    continue
+                placed = done.job
+                if done.started is None:
+                    done.started, done.cards = now, outcome.allocation.cards
+                    if give_up_over is not None and now - placed.arrival > give_up_over:
+                        late[placed.team] = late.get(placed.team, 0) + 1
+                        aborted = aborted or late[placed.team] > allowed[placed.team]
+                    done.deprioritized = decide.last[outcome.key].priority == LOWEST_PRIORITY
+                    placed_order.append(outcome.key)
+                holdings = holding_more(holdings, outcome.allocation)
+                held_gpus += float(placed.share)
+                meter.started(placed.team, float(placed.share), now)
+                done._running_since = now
+                ends[outcome.key] = now + remaining.pop(outcome.key, placed.duration)
+                if placed.preemptible and placed.kind == "job":
+                    running[outcome.key] = decide.last[outcome.key].priority == LOWEST_PRIORITY
+                heapq.heappush(heap, (ends[outcome.key], 0, arrived, outcome.key))
+            stopped = preempt(policy, cluster, outcomes, pending, running, results)
+            if not stopped:
+                break
+            # The preempted jobs go back to the queue, keeping their place, with the time they still had to run.
+            for victim in stopped:
+                gone = cluster.release(victim)
+                holdings = holding_less(holdings, gone)
+                done = results[victim]
+                done.pieces.append((done._running_since, now))
+                done._running_since = None
+                done.preempted += 1
+                remaining[victim] = ends.pop(victim) - now
+                del running[victim]
+                held_gpus -= float(done.job.share)
+                meter.ended(done.job.team, float(done.job.share), done.pieces[-1][0], now)
+                pending[victim] = (requests_of[victim], seq_of[victim])
         if aborted:
             break
     budgets = {name: float(team.budget.gpu_hours) for name, team in policy.teams.items()
@@ -558,12 +658,9 @@ def over_budget(run: Replay, team: str, results: list[JobResult]) -> float:
         return 0.0
     used: dict[str, float] = {}
     for r in results:
-        if r.started is None:
-            continue
-        end = r.ended if r.ended is not None else run.end
-        for piece in periods.split_by_month(run.start + timedelta(seconds=r.started),
-                                            run.start + timedelta(seconds=end)):
-            used[piece.period] = used.get(piece.period, 0.0) + float(r.job.share) * piece.duration.total_seconds() / 3600
+        for start, end in r.ran(run.end):
+            for piece in periods.split_by_month(run.start + timedelta(seconds=start), run.start + timedelta(seconds=end)):
+                used[piece.period] = used.get(piece.period, 0.0) + float(r.job.share) * piece.duration.total_seconds() / 3600
     return sum(max(0.0, hours - budget) for hours in used.values())
 
 
@@ -578,7 +675,7 @@ def summary(run: Replay) -> dict:
     def block(results: list[JobResult]) -> dict:
         waits = [r.wait for r in results if r.wait is not None]
         finished = [r for r in results if r.ended is not None]
-        hours = sum(float(r.job.share) * (r.ended - r.started) for r in finished) / 3600
+        hours = sum(float(r.job.share) * (end - start) for r in finished for start, end in r.pieces) / 3600
         return {
             "jobs": len(results),
             "completed": len(finished),
@@ -590,6 +687,7 @@ def summary(run: Replay) -> dict:
             "completed_per_day": round(len(finished) / (span / SECONDS_PER_DAY), 2),
             "denied": sum(1 for r in results if r.denied),
             "deprioritized": sum(1 for r in results if r.deprioritized),
+            "preempted": sum(r.preempted for r in results),
         }
 
     teams: dict[str, list[JobResult]] = {}
@@ -621,7 +719,7 @@ def _duration(seconds: float) -> str:
 TIMELINE_POINTS = 400
 COLUMNS = [("jobs", "jobs"), ("completed", "done"), ("gpu_hours", "GPU-h"), ("utilisation", "util"),
            ("wait_p50_s", "wait p50"), ("wait_p95_s", "wait p95"), ("wait_max_s", "wait max"),
-           ("completed_per_day", "done/day"), ("denied", "denied"), ("deprioritized", "deprio"),
+           ("completed_per_day", "done/day"), ("denied", "denied"), ("deprioritized", "deprio"), ("preempted", "preempted"),
            ("over_budget_gpu_hours", "over budget GPU-h")]
 
 
@@ -942,14 +1040,25 @@ def usage_workload(rows: Iterable[dict[str, str]], source: str, limit: int | Non
             share = Fraction(row["share"])
         except (KeyError, ValueError, ZeroDivisionError) as error:
             raise ValueError(f"{source}: row {n + 2} is not a usage export's row ({error})") from None
-        runs.append((arrival, (end - start).total_seconds(), row["user"], row["team"], row["model"], share))
+        kind = row.get("kind") or "server"
+        runs.append((arrival, (end - start).total_seconds(), row["user"], row["team"], row["model"], share,
+                     kind if kind in ("server", "job") else "server"))
     runs.sort(key=lambda r: r[0])
     if limit is not None:
         runs = runs[:limit]
     begin = runs[0][0] if runs else datetime(1970, 1, 1, tzinfo=timezone.utc)
-    jobs = [Job(f"usage-{n}", user, team, model, share, (arrival - begin).total_seconds(), max(duration, 0.0))
-            for n, (arrival, duration, user, team, model, share) in enumerate(runs)]
+    jobs = [Job(f"usage-{n}", user, team, model, share, (arrival - begin).total_seconds(), max(duration, 0.0),
+                kind=kind)
+            for n, (arrival, duration, user, team, model, share, kind) in enumerate(runs)]
     return Workload(jobs, begin, f"usage {source}")
+
+
+def preemptible(work: Workload, teams: set[str]) -> Workload:
+    """`work` with the jobs (not servers) of `teams` preemptible."""
+    if not teams:
+        return work
+    return Workload([replace(j, preemptible=True) if j.team in teams and j.kind == "job" else j for j in work.jobs],
+                    work.start, work.source, work.skipped)
 
 
 def replay_usage(ledger, period: str, policies: dict[str, Policy], now: datetime | None = None
@@ -1001,6 +1110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cards per node: multi-card jobs need theirs on one node, or are gang-placed "
                              "across nodes when larger than one (default: one node, the embedded pool)")
     parser.add_argument("--limit", type=int, metavar="N", help="only the first N jobs of the workload")
+    parser.add_argument("--preemptible", action="append", default=[], metavar="TEAM",
+                        help="the training jobs of TEAM are preemptible (repeatable): a waiting request of "
+                             "higher priority may stop them, as `jobs.preemption` allows, and they resume later "
+                             "where they stopped (a trace's rows are jobs; a usage export's say server or job)")
     parser.add_argument("--format", default="table", choices=["table", "json", "html"],
                         help="table (default), json, or html: a page with the table and each set's timeline "
                              "chart (utilisation and queue length over time, SVG)")
@@ -1082,7 +1195,7 @@ def main(args: argparse.Namespace) -> int:
                 return 2
         capacity = dict(args.capacity)
         cards = {name: pool_cards(policy, capacity) for name, policy in policies.items()}
-        work = read_workload(args.workload, args.limit)
+        work = preemptible(read_workload(args.workload, args.limit), set(args.preemptible))
     except (OSError, ValueError) as error:
         print(f"gpupool replay: {error}", file=sys.stderr)
         return 2

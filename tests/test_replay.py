@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from datetime import datetime, timezone
+from dataclasses import replace
 from fractions import Fraction
 from pathlib import Path
 
@@ -162,6 +163,47 @@ def test_budgets_deprioritize_and_deny_on_the_virtual_clock():
     assert s["teams"]["vision"]["over_budget_gpu_hours"] == 2.0
     assert s["teams"]["nlp"]["over_budget_gpu_hours"] == 0.0
     assert s["overall"]["over_budget_gpu_hours"] == 2.0
+
+
+ONE_CARD = Policy.model_validate({
+    "models": {"H200": {"vendor": "nvidia", "memory_gib": 141, "backends": ["hami", "whole"]}},
+    "inventory": [{"model": "H200", "count": 1}],
+    "teams": {"vision": {"priority": 100}, "nlp": {"priority": 10}, "audio": {"priority": 10}},
+})
+
+
+def test_a_higher_priority_request_preempts_a_preemptible_job_which_resumes_where_it_stopped():
+    jobs = [R.Job("train", "nlp-a", "nlp", "H200", Fraction(1), 0.0, 7200.0, preemptible=True),
+            R.Job("notebook", "vision-a", "vision", "H200", Fraction(1, 2), 3600.0, 3600.0, kind="server")]
+    run = R.replay(R.Workload(jobs, START), ONE_CARD)
+    train, notebook = run.results["train"], run.results["notebook"]
+    assert notebook.started == 3600.0 and notebook.wait == 0  # it made room at once
+    assert train.preempted == 1 and train.pieces == [(0.0, 3600.0), (7200.0, 10800.0)]  # 1 h left, after it
+    s = R.summary(run)
+    assert s["teams"]["nlp"]["preempted"] == 1 and s["teams"]["nlp"]["gpu_hours"] == 2.0  # the 2 h it ran
+    assert s["overall"]["preempted"] == 1
+    # Not preemptible, of a team of the same priority, or with preemption off: the notebook waits instead.
+    for jobs_now, policy in (
+            ([replace(jobs[0], preemptible=False), jobs[1]], ONE_CARD),
+            ([replace(jobs[0], team="audio"), replace(jobs[1], team="nlp")], ONE_CARD),
+            (jobs, ONE_CARD.model_copy(update={"jobs": ONE_CARD.jobs.model_copy(update={
+                "preemption": ONE_CARD.jobs.preemption.model_copy(update={"enabled": False})})}))):
+        waited = R.replay(R.Workload(jobs_now, START), policy)
+        assert waited.results["notebook"].wait == 3600.0 and waited.results["train"].preempted == 0
+    # Only what is needed: a quarter card asked, one of two preemptible halves stopped (the latest started).
+    halves = [R.Job(f"half{i}", "nlp-a", "nlp", "H200", Fraction(1, 2), 60.0 * i, 7200.0, preemptible=True)
+              for i in range(2)]
+    run = R.replay(R.Workload(halves + [R.Job("q", "vision-a", "vision", "H200", Fraction(1, 4), 600.0, 60.0,
+                                                  kind="server")], START), ONE_CARD)
+    assert [run.results[f"half{i}"].preempted for i in range(2)] == [0, 1]
+
+
+def test_preemptible_teams_from_the_command_line(tmp_path):
+    jobs = [R.Job("a", "nlp-a", "nlp", "H200", Fraction(1), 0.0, 60.0),
+            R.Job("b", "nlp-a", "nlp", "H200", Fraction(1), 0.0, 60.0, kind="server"),
+            R.Job("c", "vision-a", "vision", "H200", Fraction(1), 0.0, 60.0)]
+    marked = R.preemptible(R.Workload(jobs, START), {"nlp"})
+    assert [j.preemptible for j in marked.jobs] == [True, False, False]  # servers never are
 
 
 def test_budget_overruns_are_counted_per_period():
