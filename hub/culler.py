@@ -45,7 +45,7 @@ from gpupool.hub.accounting.idleness import Action, IdleRecord, KeepRefused, Sig
 from gpupool.hub.accounting.jobs import JobStore
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.service import MAX_BODY_BYTES, AccountingHandler, HealthHandler, NotFoundHandler, page_templates
-from gpupool.hub.idle_signals import CPUMeter, HAMiMetrics, NVMLGPU, ProcessTable, ProcessTree, jupyter_activity
+from gpupool.hub.idle_signals import CPUMeter, NVMLGPU, PodGPUMetrics, ProcessTable, ProcessTree, jupyter_activity
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults
 from gpupool.policies.resources import profile_share
 
@@ -136,20 +136,24 @@ class IdleCuller(Application):
 
     concurrency = Integer(8, help="Servers looked at in parallel during a pass.").tag(config=True)
 
-    gpu_source = Enum(["nvml", "hami", "none"], "nvml", help="""Where the GPU use of a server's processes comes from.
+    gpu_source = Enum(["nvml", "hami", "dcgm", "none"], "nvml", help="""Where the GPU use of a server's processes
+        comes from.
 
         - `nvml`: the embedded mode; NVML's per-process samples on the server's cards (no driver: unavailable).
         - `hami`: the Kubernetes mode with HAMi; `Device_utilization_desc_of_container` and
-          `Device_last_kernel_of_container` per pod, from `hami_metrics_urls`.
+          `Device_last_kernel_of_container` per pod, from `metrics_urls`.
+        - `dcgm`: the Kubernetes mode with NVIDIA's DCGM exporter (its pod mapping on), where each pod has its own
+          device or MIG slice; `DCGM_FI_PROF_GR_ENGINE_ACTIVE` per pod, from `metrics_urls`.
         - `none`: no GPU signal; kernels and CPU decide.
         """).tag(config=True)
 
-    hami_metrics_urls = List(Unicode(), help="""With `gpu_source = "hami"`: URLs serving HAMi's metrics in
-        Prometheus' text format: each node's vGPU monitor (`http://NODE:9394/metrics`), or one Prometheus server's
-        federation endpoint (`http://prometheus:9090/federate?match[]={__name__=~"Device_.*_of_container"}`).
+    metrics_urls = List(Unicode(), help="""With `gpu_source` `hami` or `dcgm`: URLs serving the exporter's metrics in
+        Prometheus' text format: each node's exporter (HAMi's vGPU monitor `http://NODE:9394/metrics`, DCGM
+        exporter `http://NODE:9400/metrics`), or one Prometheus server's federation endpoint
+        (`http://prometheus:9090/federate?match[]={__name__=~"Device_.*_of_container"}`).
         """).tag(config=True)
 
-    namespace = Unicode("", help="The Kubernetes namespace of the user pods (the `hami` source).").tag(config=True)
+    namespace = Unicode("", help="The Kubernetes namespace of the user pods (`hami` and `dcgm`).").tag(config=True)
 
     cpu = Bool(True, help="Count the CPU use of the server's processes (embedded mode: they run on this machine).").tag(
         config=True)
@@ -179,7 +183,8 @@ class IdleCuller(Application):
         self.metrics = Metrics()
         self.cpu_meter = CPUMeter()
         self.gpu = NVMLGPU() if self.gpu_source == "nvml" else None
-        self.hami = HAMiMetrics(self.hami_metrics_urls) if self.gpu_source == "hami" else None
+        self.pod_metrics = (PodGPUMetrics(self.metrics_urls, self.gpu_source)
+                            if self.gpu_source in ("hami", "dcgm") else None)
         self.http = AsyncHTTPClient()
         self._pass_lock = asyncio.Lock()
         # The looks block (NVML, /proc, the servers' API): their own threads, as many as `concurrency`.
@@ -243,8 +248,8 @@ class IdleCuller(Application):
                 self.log.error("the hub did not list the servers (%s): no culling this pass", error)
                 return
             loop = asyncio.get_running_loop()
-            if self.hami is not None:
-                await loop.run_in_executor(self.threads, self.hami.refresh)
+            if self.pod_metrics is not None:
+                await loop.run_in_executor(self.threads, self.pod_metrics.refresh)
             if self.cpu or self.gpu is not None:
                 self._table = await loop.run_in_executor(self.threads, ProcessTable)
             gate = asyncio.Semaphore(self.concurrency)
@@ -298,9 +303,9 @@ class IdleCuller(Application):
             cards = list((state.get("allocation") or {}).get("cards") or [])
             reading = self.gpu.reading(cards, {p.pid for p in processes})
             gpu, gpu_note = reading.percent, reading.note
-        elif self.hami is not None:
+        elif self.pod_metrics is not None:
             pod = state.get("pod_name") or ""
-            reading = self.hami.reading(self.namespace, pod, self.interval)
+            reading = self.pod_metrics.reading(self.namespace, pod, self.interval)
             gpu, gpu_note = reading.percent, reading.note
         else:
             gpu_note = "no GPU signal configured (gpu_source: none)"

@@ -5,8 +5,9 @@
 - `CPUMeter`: their CPU use since the last look, in % of one core.
 - `NVMLGPU`: their GPU use from NVML's per-process samples (`nvmlDeviceGetProcessUtilization`) on the server's
   own cards, never the card's total: a neighbour's work on the same card does not keep a server alive.
-- `HAMiMetrics`: the same from metrics in Prometheus' text format (HAMi's `Device_utilization_desc_of_container`
-  and `Device_last_kernel_of_container` per pod, scraped from HAMi's monitor or a Prometheus `/federate`).
+- `PodGPUMetrics`: the same per pod from metrics in Prometheus' text format (HAMi's
+  `Device_utilization_desc_of_container` and `Device_last_kernel_of_container`, or DCGM exporter's
+  `DCGM_FI_PROF_GR_ENGINE_ACTIVE`), scraped from the exporters or a Prometheus `/federate`.
 - `jupyter_activity`: kernels executing now and the latest kernel or terminal activity, from the server's own
   Jupyter API (reached through the hub's proxy with the culler's token).
 
@@ -27,6 +28,8 @@ import psutil
 #: HAMi's vGPU monitor: a container's SM utilisation of its share (%), and seconds since its last kernel.
 HAMI_UTILIZATION = "Device_utilization_desc_of_container"
 HAMI_LAST_KERNEL = "Device_last_kernel_of_container"
+#: NVIDIA's DCGM exporter: the ratio (0 to 1) of time a device's (or MIG slice's) graphics engine was active.
+DCGM_ENGINE_ACTIVE = "DCGM_FI_PROF_GR_ENGINE_ACTIVE"
 
 
 # --- the server's processes (embedded) ----------------------------------------------------------------------
@@ -191,18 +194,45 @@ class NVMLGPU:
 # --- GPU use from metrics (Kubernetes: HAMi) ------------------------------------------------------------------
 
 
-class HAMiMetrics:
-    """HAMi's per-container GPU metrics, read in Prometheus' text format from `urls` (HAMi's vGPU monitor on each
-    node, port 9394, or a Prometheus server's `/federate?match[]=...`), once per culling pass."""
+@dataclass(frozen=True)
+class MetricNames:
+    """Where a per-pod GPU figure is in an exporter's metrics: the names of its namespace and pod labels, its
+    utilisation metric and the factor to percent, and (HAMi only) the seconds since the pod's last kernel."""
 
-    def __init__(self, urls: list[str], timeout: float = 10):
+    namespace_label: str
+    pod_label: str
+    utilization: str
+    to_percent: float
+    last_kernel: str | None = None
+
+
+#: The exporters the culler reads: HAMi's vGPU monitor (a share's own SM utilisation, per container of a pod),
+#: and NVIDIA's DCGM exporter with its Kubernetes pod mapping (the graphics engine's active ratio of a device or
+#: MIG slice, per pod: right where each pod has its own device or slice, not for shares of one card).
+METRICS = {
+    "hami": MetricNames("podnamespace", "podname", HAMI_UTILIZATION, 1.0, HAMI_LAST_KERNEL),
+    "dcgm": MetricNames("namespace", "pod", DCGM_ENGINE_ACTIVE, 100.0),
+}
+
+
+SOURCE_NAMES = {"hami": "HAMi", "dcgm": "DCGM"}
+
+
+class PodGPUMetrics:
+    """Per-pod GPU use from metrics in Prometheus' text format, read from `urls` once per culling pass: the
+    exporter on each GPU node (HAMi's vGPU monitor, port 9394; DCGM exporter, port 9400), or a Prometheus
+    server's `/federate?match[]=...`. `source`: `hami` or `dcgm` (`METRICS`)."""
+
+    def __init__(self, urls: list[str], source: str = "hami", timeout: float = 10):
         self.urls, self.timeout = list(urls), timeout
+        self.source, self.names = source, METRICS[source]
         self.by_pod: dict[tuple[str, str], tuple[float, float | None]] = {}
         self.errors: list[str] = []
 
     def refresh(self) -> None:
         from prometheus_client.parser import text_string_to_metric_families
 
+        names = self.names
         utilization: dict[tuple[str, str], float] = {}
         last_kernel: dict[tuple[str, str], float] = {}
         self.errors = []
@@ -216,22 +246,23 @@ class HAMiMetrics:
                 continue
             for family in families:
                 for sample in family.samples:
-                    pod = (sample.labels.get("podnamespace", ""), sample.labels.get("podname", ""))
+                    pod = (sample.labels.get(names.namespace_label, ""), sample.labels.get(names.pod_label, ""))
                     if not pod[1]:
                         continue
-                    if sample.name == HAMI_UTILIZATION:
-                        utilization[pod] = max(utilization.get(pod, 0.0), sample.value)
-                    elif sample.name == HAMI_LAST_KERNEL:
+                    if sample.name == names.utilization:
+                        utilization[pod] = max(utilization.get(pod, 0.0), sample.value * names.to_percent)
+                    elif sample.name == names.last_kernel:
                         last_kernel[pod] = min(last_kernel.get(pod, sample.value), sample.value)
         self.by_pod = {pod: (utilization.get(pod, 0.0), last_kernel.get(pod))
                        for pod in set(utilization) | set(last_kernel)}
 
     def reading(self, namespace: str, pod: str, interval_s: float) -> GPUReading:
-        """The pod's utilisation; a kernel run since the last pass (`interval_s` ago) counts as busy too."""
+        """The pod's utilisation (its busiest device); with HAMi, a kernel run since the last pass (`interval_s`
+        ago) counts as busy too."""
         found = self.by_pod.get((namespace, pod))
         if found is None:
             problem = f" ({'; '.join(self.errors)})" if self.errors else ""
-            return GPUReading(None, f"no HAMi metrics for pod {namespace}/{pod}{problem}")
+            return GPUReading(None, f"no {SOURCE_NAMES[self.source]} metrics for pod {namespace}/{pod}{problem}")
         percent, since_kernel = found
         if since_kernel is not None and since_kernel <= interval_s:
             percent = max(percent, 100.0)  # ran a kernel since the last look

@@ -117,7 +117,7 @@ def test_chart_renders_objects_that_pass_the_kubernetes_and_volcano_schemas(poli
                                                  "s3EndpointUrl": "http://seaweedfs:8333"}},
         "ingress": {"enabled": True, "className": "nginx", "hosts": ["gpu.example.org"],
                     "tls": [{"secretName": "gpu-tls", "hosts": ["gpu.example.org"]}]},
-        "culler": {"hamiMetricsUrls": ["http://10.0.0.7:9394/metrics"], "resources": {"limits": {"memory": "256Mi"}},
+        "culler": {"metricsUrls": ["http://10.0.0.7:9394/metrics"], "resources": {"limits": {"memory": "256Mi"}},
                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
     })
     rendered = render(values)
@@ -248,7 +248,7 @@ def culler_as_configured(container: dict[str, Any], monkeypatch) -> IdleCuller:
 
 
 def test_the_culler_runs_as_the_hub_service_the_wiring_names_with_hamis_metrics(monkeypatch):
-    values = merge(values_for(EXAMPLES_DIR), {"culler": {"hamiMetricsUrls": [*HAMI_MONITORS, FEDERATION],
+    values = merge(values_for(EXAMPLES_DIR), {"culler": {"metricsUrls": [*HAMI_MONITORS, FEDERATION],
                                                          "interval": 30}})
     rendered = {key(o): o for o in render(values)}
     hub = values["jupyterhub"]["hub"]
@@ -269,7 +269,7 @@ def test_the_culler_runs_as_the_hub_service_the_wiring_names_with_hamis_metrics(
     assert env["PGPASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "gpupool-postgres", "key": "password"}
     # What the culler makes of the pod's environment and arguments: the Kubernetes mode's GPU signal and no CPU.
     culler = culler_as_configured(container, monkeypatch)
-    assert culler.gpu_source == "hami" and culler.hami_metrics_urls == [*HAMI_MONITORS, FEDERATION]
+    assert culler.gpu_source == "hami" and culler.metrics_urls == [*HAMI_MONITORS, FEDERATION]
     assert culler.namespace == NAMESPACE and culler.cpu is False and culler.interval == 30
     assert culler.port == container["ports"][0]["containerPort"] and service["spec"]["ports"][0]["targetPort"] == "http"
     assert culler.prefix == "/services/culler/"
@@ -288,21 +288,28 @@ def test_the_culler_runs_as_the_hub_service_the_wiring_names_with_hamis_metrics(
     assert container["volumeMounts"] == accounting["containers"][0]["volumeMounts"]
 
 
+def test_the_culler_reads_dcgm_exporters_metrics_where_pods_have_their_own_devices(monkeypatch):
+    exporters = ["http://10.0.0.7:9400/metrics", "http://10.0.0.8:9400/metrics"]
+    values = merge(values_for(EXAMPLES_DIR), {"culler": {"gpuSource": "dcgm", "metricsUrls": exporters}})
+    culler = culler_as_configured(culler_container({key(o): o for o in render(values)}), monkeypatch)
+    assert culler.gpu_source == "dcgm" and culler.metrics_urls == exporters and culler.cpu is False
+
+
 def test_the_culler_without_hami_urls_runs_without_a_gpu_signal_and_takes_its_own_settings(monkeypatch):
     rendered = {key(o): o for o in render(values_for(EXAMPLES_DIR))}
     culler = culler_as_configured(culler_container(rendered), monkeypatch)
-    assert culler.gpu_source == "hami" and culler.hami_metrics_urls == [] and culler.interval == 60
+    assert culler.gpu_source == "hami" and culler.metrics_urls == [] and culler.interval == 60
     # The install's notes say so, and where to point it.
     for urls, said in (([], True), (HAMI_MONITORS, False)):
         with helm.Chart.load(CHART) as chart:
-            notes = chart.render(merge(values_for(EXAMPLES_DIR), {"culler": {"hamiMetricsUrls": urls}}), name=RELEASE,
+            notes = chart.render(merge(values_for(EXAMPLES_DIR), {"culler": {"metricsUrls": urls}}), name=RELEASE,
                                  namespace=NAMESPACE, is_install=True)["gpupool/templates/NOTES.txt"]
         assert ("The idle culler has no GPU signal yet" in notes) is said
     values = merge(values_for(EXAMPLES_DIR), {"culler": {
-        "gpuSource": "none", "hamiMetricsUrls": HAMI_MONITORS, "namespace": "users", "publicUrl": "http://hub.example/",
+        "gpuSource": "none", "metricsUrls": HAMI_MONITORS, "namespace": "users", "publicUrl": "http://hub.example/",
         "extraArgs": ["--IdleCuller.concurrency=16"], "extraEnv": {"GPUPOOL_NAV_SERVICES": "accounting,culler"}}})
     container = culler_container({key(o): o for o in render(values)})
-    assert not [a for a in container["args"] if "hami_metrics_urls" in a]
+    assert not [a for a in container["args"] if "metrics_urls" in a]
     culler = culler_as_configured(container, monkeypatch)
     assert (culler.gpu_source, culler.namespace, culler.public_url, culler.concurrency) == (
         "none", "users", "http://hub.example/", 16)
@@ -381,8 +388,8 @@ def test_a_misspelled_section_or_key_is_an_error_that_names_it():
         # NVML is the embedded mode's: a pod of the cluster sees no other pod's processes.
         with pytest.raises(helm.HelmValuesError, match="/culler/gpuSource"):
             chart.validate_schema(merge(values, {"culler": {"gpuSource": "nvml"}}))
-        with pytest.raises(helm.HelmValuesError, match="/culler/hamiMetricsUrls/0"):
-            chart.validate_schema(merge(values, {"culler": {"hamiMetricsUrls": ["node-1:9394"]}}))
+        with pytest.raises(helm.HelmValuesError, match="/culler/metricsUrls/0"):
+            chart.validate_schema(merge(values, {"culler": {"metricsUrls": ["node-1:9394"]}}))
         with pytest.raises(helm.HelmValuesError, match="/culler/interval"):
             chart.validate_schema(merge(values, {"culler": {"interval": 0}}))
         # Rendering applies the same schema, so a typo never installs.

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from gpupool.hub.harness import free_port_block
 from gpupool.hub.idle_signals import (
-    HAMI_LAST_KERNEL, HAMI_UTILIZATION, CPUMeter, HAMiMetrics, NVMLGPU, ProcessTable, ProcessTree,
+    DCGM_ENGINE_ACTIVE, HAMI_LAST_KERNEL, HAMI_UTILIZATION, CPUMeter, NVMLGPU, PodGPUMetrics, ProcessTable, ProcessTree,
     jupyter_activity,
 )
 
@@ -54,7 +54,7 @@ def test_hami_metrics_give_each_pods_own_gpu_use(hami_exporter):
     utilization.labels("users", "jupyter-carol", "notebook", "1", "GPU-cccc").set(40)
     last_kernel.labels("users", "jupyter-dave", "notebook", "0", "GPU-dddd").set(1)  # a kernel since the last pass
 
-    metrics = HAMiMetrics([url])
+    metrics = PodGPUMetrics([url])
     metrics.refresh()
     assert metrics.reading("users", "jupyter-alice", 60).percent == 100.0  # a kernel 2 s ago: busy
     bob = metrics.reading("users", "jupyter-bob", 60)
@@ -65,8 +65,28 @@ def test_hami_metrics_give_each_pods_own_gpu_use(hami_exporter):
     assert unknown.percent is None and "no HAMi metrics for pod other/jupyter-alice" in unknown.note
 
 
+def test_dcgm_exporters_engine_activity_per_pod():
+    # NVIDIA's DCGM exporter with its pod mapping: a device or MIG slice per pod, its engine's active ratio.
+    registry = CollectorRegistry()
+    active = Gauge(DCGM_ENGINE_ACTIVE, "Ratio of time the graphics engine is active", ["gpu", "UUID", "GPU_I_ID",
+                   "namespace", "pod", "container"], registry=registry)
+    active.labels("0", "GPU-aaaa", "3", "users", "jupyter-alice", "notebook").set(0.42)
+    active.labels("0", "GPU-aaaa", "5", "users", "jupyter-bob", "notebook").set(0.0)
+    port = free_port_block(1)
+    server, thread = start_http_server(port, addr="127.0.0.1", registry=registry)
+    try:
+        metrics = PodGPUMetrics([f"http://127.0.0.1:{port}/metrics"], "dcgm")
+        metrics.refresh()
+        assert metrics.reading("users", "jupyter-alice", 60).percent == pytest.approx(42.0)
+        assert metrics.reading("users", "jupyter-bob", 60).percent == 0.0
+        assert "no DCGM metrics for pod users/jupyter-carol" in metrics.reading("users", "jupyter-carol", 60).note
+    finally:
+        server.shutdown()
+        thread.join(5)
+
+
 def test_hami_metrics_that_do_not_answer_leave_the_signal_unknown():
-    metrics = HAMiMetrics([f"http://127.0.0.1:{free_port_block(1)}/metrics"], timeout=2)
+    metrics = PodGPUMetrics([f"http://127.0.0.1:{free_port_block(1)}/metrics"], timeout=2)
     metrics.refresh()
     reading = metrics.reading("users", "jupyter-alice", 60)
     assert reading.percent is None and "Connection refused" in reading.note
