@@ -344,7 +344,7 @@ def apply_config(c, settings: Settings) -> None:
         platform_service(JOBS_SERVICE, settings.jobs_port, "gpupool.hub.accounting.jobs_service",
                          GPUPOOL_TEAM_ROOT=settings.team_root),
         # The idle culler: warns, then stops, servers whose GPU share sits idle (hub/culler.py).
-        platform_service(CULLER_SERVICE, settings.culler_port, "gpupool.hub.culler", GPUPOOL_HUB_URL=settings.url),
+        platform_service(CULLER_SERVICE, settings.culler_port, "gpupool.hub.culler"),
     ]
     if settings.mlflow:
         services.append(mlflow_service(settings))

@@ -11,11 +11,12 @@ executes (`idle_signals`), judged against the server's `idle` rule in the polici
    it", the alert webhook gets it), and stops the server through the hub's REST API when its time comes; the
    run's interval then ends `culled`, and the share goes to the head of the queue at once.
 
+Jupyter's own activity (kernels executing, the latest kernel or terminal activity) is reported by each server:
+gpupool's Jupyter Server extension in it (`gpupool.hub.lab_idle`) posts it here every minute with the server's own
+token (`POST api/activity`), so the culler never sends a token of its own to a server, where its user's code runs.
+
 Its hub scopes (README, "Scopes of the services"): `list:users`, `read:users:name`, `read:servers`,
-`admin:server_state` (a server's PID, cards and ledger run), `delete:servers` (the stop) and `tokens`: the kernels'
-state is asked of each server's own Jupyter API with a token the culler makes for that server's user, limited to
-that server (`access:servers!server=USER/NAME`) and to an hour. Its own token never goes to a user's server, where
-the user's code could read it.
+`admin:server_state` (a server's PID, cards and ledger run) and `delete:servers` (the stop).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from jupyterhub.services.auth import HubOAuthCallbackHandler
 from markupsafe import Markup
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from tornado import ioloop, web
-from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from traitlets import Bool, Enum, Float, Integer, List, Unicode, default
 from traitlets.config import Application
 
@@ -45,7 +46,7 @@ from gpupool.hub.accounting.idleness import Action, IdleRecord, KeepRefused, Sig
 from gpupool.hub.accounting.jobs import JobStore
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.service import MAX_BODY_BYTES, AccountingHandler, HealthHandler, NotFoundHandler, page_templates
-from gpupool.hub.idle_signals import CPUMeter, NVMLGPU, PodGPUMetrics, ProcessTable, ProcessTree, jupyter_activity
+from gpupool.hub.idle_signals import CPUMeter, NVMLGPU, PodGPUMetrics, ProcessTable, ProcessTree
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults
 from gpupool.policies.resources import profile_share
 
@@ -53,8 +54,6 @@ log = logging.getLogger("gpupool.culler")
 
 #: Hours a "keep it" asks for when the request names none.
 DEFAULT_KEEP_HOURS = 1
-#: How long the culler's token for one server's Jupyter API lives; a new one is made when less than a tenth is left.
-SERVER_TOKEN_SECONDS = 3600
 
 
 class Metrics:
@@ -109,13 +108,6 @@ class IdleCuller(Application):
     def _default_api_token(self):
         return os.environ.get("JUPYTERHUB_API_TOKEN", "")
 
-    public_url = Unicode(help="""Where the hub's proxy serves user servers (their Jupyter API is asked there for
-        the kernels' state), e.g. `http://127.0.0.1:8000/`; GPUPOOL_HUB_URL by default.""").tag(config=True)
-
-    @default("public_url")
-    def _default_public_url(self):
-        return os.environ.get("GPUPOOL_HUB_URL", "http://127.0.0.1:8000/")
-
     policy_dir = Unicode(help="The policies (each server's `idle` rule); GPUPOOL_POLICIES by default.").tag(config=True)
 
     @default("policy_dir")
@@ -135,6 +127,9 @@ class IdleCuller(Application):
         """).tag(config=True)
 
     concurrency = Integer(8, help="Servers looked at in parallel during a pass.").tag(config=True)
+
+    report_max_age = Float(180, help="""Seconds a server's report of its Jupyter activity (kernels, terminals) counts;
+        an older one, or none, leaves that signal unknown. Servers report every minute.""").tag(config=True)
 
     gpu_source = Enum(["nvml", "hami", "dcgm", "none"], "nvml", help="""Where the GPU use of a server's processes
         comes from.
@@ -189,22 +184,12 @@ class IdleCuller(Application):
         self._pass_lock = asyncio.Lock()
         # The looks block (NVML, /proc, the servers' API): their own threads, as many as `concurrency`.
         self.threads = concurrent.futures.ThreadPoolExecutor(self.concurrency, thread_name_prefix="culler-look")
-        self._server_tokens: dict[tuple[str, str], tuple[str, float]] = {}
+        #: (user, server) → (when received, monotonic; kernels busy; latest kernel or terminal activity).
+        self.reports: dict[tuple[str, str], tuple[float, int, datetime | None]] = {}
         self._table: ProcessTable | None = None
         self.jobs = JobStore(self.ledger.engine)
         #: When each running job's run was last looked at (in memory: a restarted culler begins anew).
         self._job_looks: dict[str, datetime] = {}
-
-    async def server_token(self, user: str, name: str) -> str:
-        """A token of `user` that may access their server `name` and nothing else, made by the hub (cached)."""
-        cached = self._server_tokens.get((user, name))
-        if cached is not None and cached[1] - time.monotonic() > SERVER_TOKEN_SECONDS / 10:
-            return cached[0]
-        _, made = await self.hub("POST", f"/users/{urllib.parse.quote(user)}/tokens", body=json.dumps({
-            "scopes": [f"access:servers!server={user}/{name}"], "expires_in": SERVER_TOKEN_SECONDS,
-            "note": f"gpupool-culler: the kernels of server {user}/{name}"}))
-        self._server_tokens[(user, name)] = (made["token"], time.monotonic() + SERVER_TOKEN_SECONDS)
-        return made["token"]
 
     @property
     def policy(self):
@@ -252,6 +237,8 @@ class IdleCuller(Application):
                 await loop.run_in_executor(self.threads, self.pod_metrics.refresh)
             if self.cpu or self.gpu is not None:
                 self._table = await loop.run_in_executor(self.threads, ProcessTable)
+            if self.gpu is not None:
+                self.gpu.new_pass()
             gate = asyncio.Semaphore(self.concurrency)
 
             async def one(user, name, server):
@@ -271,8 +258,8 @@ class IdleCuller(Application):
             runs = {o[0] for o in outcomes if o} | set(self._job_looks)
             self.cpu_meter.forget_except(runs)
             listed = {(user["name"], name) for user, name, _ in servers}
-            for gone in set(self._server_tokens) - listed:
-                del self._server_tokens[gone]
+            for gone in set(self.reports) - listed:
+                del self.reports[gone]
             idle: dict[str, tuple[int, float]] = {}
             for outcome in outcomes:
                 if outcome and outcome[1] is not Action.ACTIVE and outcome[1] is not Action.EXEMPT:
@@ -288,9 +275,8 @@ class IdleCuller(Application):
             self.log.info("pass: %d servers looked at, %d idle, in %.2f s", len(servers),
                           sum(c for c, _ in idle.values()), took)
 
-    def signals(self, run: str, user: dict, name: str, server: dict, token: str) -> Signals:
-        """What the server did since the last look (blocking: NVML, /proc and the server's API, asked with
-        `token`, the server's own)."""
+    def signals(self, run: str, user: dict, name: str, server: dict) -> Signals:
+        """What the server did since the last look (blocking: NVML and /proc), and its last report."""
         state = server.get("state") or {}
         gpu = cpu = None
         gpu_note = cpu_note = ""
@@ -309,13 +295,14 @@ class IdleCuller(Application):
             gpu, gpu_note = reading.percent, reading.note
         else:
             gpu_note = "no GPU signal configured (gpu_source: none)"
-        url = self.public_url.rstrip("/") + server["url"]
-        jupyter = jupyter_activity(url, token)
-        if jupyter.busy_kernels is None:
-            self._server_tokens.pop((user["name"], name), None)  # refused, or expired early: a new one next time
+        report = self.reports.get((user["name"], name))
+        if report is None or time.monotonic() - report[0] > self.report_max_age:
+            busy, last, note = None, None, ("no recent report of its kernels from the server (gpupool's Jupyter "
+                                            "Server extension reports every minute)")
+        else:
+            busy, last, note = report[1], report[2], ""
         return Signals(gpu_percent=gpu, gpu_note=gpu_note, cpu_percent=cpu, cpu_note=cpu_note,
-                       busy_kernels=jupyter.busy_kernels, jupyter_activity=jupyter.last_activity,
-                       jupyter_note=jupyter.note)
+                       busy_kernels=busy, jupyter_activity=last, jupyter_note=note)
 
     async def look_at_jobs(self) -> None:
         """Training jobs of the embedded mode, for the reports only (a job is never warned or stopped here): the
@@ -353,14 +340,7 @@ class IdleCuller(Application):
         team, profile = options
         policy = self.policy
         rule = policy.idle_rule(team, profile)
-        try:
-            token = await self.server_token(user["name"], name)
-        except HTTPClientError as error:
-            self.log.error("the hub made no token for %s/%s's kernels (%s): looked at without them", user["name"],
-                           name, error)
-            token = ""
-        signals = await asyncio.get_running_loop().run_in_executor(
-            self.threads, self.signals, run, user, name, server, token)
+        signals = await asyncio.get_running_loop().run_in_executor(self.threads, self.signals, run, user, name, server)
         now = periods.utcnow()
         known = await asyncio.to_thread(self.store.get, run)
         # A server first seen has its whole `after_minutes` from now (it may have started a while ago, before
@@ -377,26 +357,31 @@ class IdleCuller(Application):
         chosen = policy.profiles.get(profile)
         share = profile_share(chosen, policy) if chosen is not None and chosen.gpu is not None else Fraction(0)
         if known is not None and share and decision.record.last_active < now:
-            # Idle since the last look (or since its last activity, if that came after): for the reports.
-            await asyncio.to_thread(self.store.add_idle, run, team, chosen.gpu.model, share,
-                                    max(known.seen_at, decision.record.last_active), now)
+            # Idle since the last look (or since its last activity, if that came after), for the reports; a gap of
+            # more than two passes (the culler was down) is not counted: nobody looked.
+            since = max(known.seen_at, decision.record.last_active, now - timedelta(seconds=2 * self.interval))
+            await asyncio.to_thread(self.store.add_idle, run, team, chosen.gpu.model, share, since, now)
         display = chosen.display_name if chosen is not None else profile
         if decision.action is Action.WARN:
             self.metrics.warned.labels(team).inc()
             self.log.warning("warned: %s", decision.message)
             self.webhook(policy, "idle-warning", user["name"], name, team, display, decision)
         elif decision.action is Action.CULL:
-            await self.cull(user["name"], name, run, team, display, decision)
+            await self.cull(user["name"], name, run, team, display, decision, record.kept)
         return run, decision.action, team, float(share)
 
-    async def cull(self, user: str, name: str, run: str, team: str, display: str, decision) -> None:
-        # Asked for in the ledger first: the interval the stop closes then ends `culled`.
-        await asyncio.to_thread(self.store.request_cull, run, periods.utcnow(), decision.message)
+    async def cull(self, user: str, name: str, run: str, team: str, display: str, decision,
+                   kept: timedelta) -> None:
+        # Asked for in the ledger first, so that the interval the stop closes ends `culled`; and only if its user
+        # did not keep it since this look read its record (then the next look decides again).
+        if not await asyncio.to_thread(self.store.request_cull, run, periods.utcnow(), decision.message, kept):
+            self.log.info("%s/%s was kept while the culler looked at it: not stopped", user, name)
+            return
         path = f"/users/{urllib.parse.quote(user)}/servers/{urllib.parse.quote(name)}" if name else \
             f"/users/{urllib.parse.quote(user)}/server"
         try:
             code, _ = await self.hub("DELETE", path)
-        except HTTPClientError as error:
+        except Exception as error:  # refused, or the hub not answering: a later stop by its user is not a cull
             await asyncio.to_thread(self.store.cull_failed, run)
             self.log.error("the hub did not stop %s/%s: %s", user, name, error)
             return
@@ -531,6 +516,41 @@ class KeepHandler(CullerHandler):
                                      None if hours is None else str(hours)))
 
 
+class ActivityHandler(CullerHandler):
+    """POST api/activity {"server": NAME, "busy_kernels": N, "last_activity": ISO or null}: a server's report of its
+    own Jupyter activity (gpupool.hub.lab_idle, with the server's token). A token may report for a server of its
+    user that it may access; anything else is refused."""
+
+    @web.authenticated
+    def post(self):
+        try:
+            body = json.loads(self.request.body or b"{}")
+        except ValueError as error:
+            raise web.HTTPError(400, f"the body is not JSON: {error}") from None
+        if not isinstance(body, dict) or set(body) - {"server", "busy_kernels", "last_activity"}:
+            raise web.HTTPError(400, 'the body must be a JSON object {"server": NAME, "busy_kernels": N, '
+                                     '"last_activity": ISO-8601 or null}')
+        name, busy, last = body.get("server", ""), body.get("busy_kernels"), body.get("last_activity")
+        if not isinstance(name, str) or isinstance(busy, bool) or not isinstance(busy, int) or not 0 <= busy <= 10**6:
+            raise web.HTTPError(400, "server must be a server's name and busy_kernels a whole number of kernels")
+        when = None
+        if last is not None:
+            try:
+                when = periods.ensure_utc(datetime.fromisoformat(str(last).replace("Z", "+00:00")))
+            except ValueError:
+                raise web.HTTPError(400, "last_activity must be an ISO-8601 time with its zone, or null") from None
+        user = self.current_user
+        scopes = set(user.get("scopes") or [])
+        allowed = {"access:servers", f"access:servers!user={user['name']}",
+                   f"access:servers!server={user['name']}/{name}"}
+        if user.get("kind", "user") != "user" or not scopes & allowed:
+            raise web.HTTPError(403, f"this token may not report for server {user['name']}/{name}: a server reports "
+                                     "with its own token")
+        self.culler.reports[(user["name"], name)] = (time.monotonic(), busy, when)
+        self.set_status(204)
+        self.finish()
+
+
 class MetricsHandler(CullerHandler):
     @web.authenticated
     def get(self):
@@ -547,6 +567,7 @@ def make_app(culler: IdleCuller) -> web.Application:
             (prefix, PageHandler),
             (prefix + "keep", KeepPageHandler),
             (prefix + "api/servers", ServersHandler),
+            (prefix + "api/activity", ActivityHandler),
             (prefix + f"api/servers/{name}/keep", KeepHandler),
             (prefix + f"api/servers/{name}/{name}/keep", KeepHandler),
             (prefix + "metrics", MetricsHandler),

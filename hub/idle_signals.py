@@ -1,4 +1,4 @@
-"""What the idle culler looks at, per server: thin edges over NVML, the process table, Jupyter's API and metrics.
+"""What the idle culler looks at, per server: thin edges over NVML, the process table and GPU metrics.
 
 - `ProcessTree`: a server's own processes (embedded mode), the server process and its descendants, checked by
   PID and start time as the spawner does.
@@ -8,8 +8,9 @@
 - `PodGPUMetrics`: the same per pod from metrics in Prometheus' text format (HAMi's
   `Device_utilization_desc_of_container` and `Device_last_kernel_of_container`, or DCGM exporter's
   `DCGM_FI_PROF_GR_ENGINE_ACTIVE`), scraped from the exporters or a Prometheus `/federate`.
-- `jupyter_activity`: kernels executing now and the latest kernel or terminal activity, from the server's own
-  Jupyter API (reached through the hub's proxy with the culler's token).
+
+(Jupyter's own activity, kernels executing and the latest kernel or terminal activity, is reported by each server:
+`gpupool.hub.lab_idle`.)
 
 Each says when it cannot tell (no driver, no per-process samples under time-slicing or MIG, a metric missing),
 and the culler then leaves that signal out rather than guess (`idleness.Signals`).
@@ -17,11 +18,9 @@ and the culler then leaves that signal out rather than guess (`idleness.Signals`
 
 from __future__ import annotations
 
-import json
 import time
 import urllib.request
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
 import psutil
 
@@ -175,20 +174,39 @@ class NVMLGPU:
                         memory += process.usedGpuMemory
             except nvml.NVMLError:
                 pass
-            try:
-                samples = nvml.nvmlDeviceGetProcessUtilization(handle, self._last.get(uuid, 0))
-            except nvml.NVMLError_NotFound:
-                samples = []  # no process ran a kernel on this card since the last look
-            except nvml.NVMLError_NotSupported:
-                return GPUReading(None, f"card {uuid} gives no per-process samples (MIG or time-slicing): "
-                                        "its GPU use is unknown")
-            except nvml.NVMLError as error:
-                return GPUReading(None, f"NVML failed on card {uuid} ({error})")
+            samples = self._samples(uuid, handle)
+            if isinstance(samples, str):
+                return GPUReading(None, samples)
             for sample in samples:
-                self._last[uuid] = max(self._last.get(uuid, 0), int(sample.timeStamp))
                 if sample.pid in pids:
                     highest = max(highest, float(sample.smUtil))
         return GPUReading(highest, f"holds {memory // 2**20} MiB of GPU memory" if memory else "")
+
+    def new_pass(self) -> None:
+        """A culling pass begins: each card's samples since the last pass are read once, at its first reading, and
+        serve every server (and job) on that card; a second read would find none newer and see them idle."""
+        self._pass: dict[str, list | str] = {}
+
+    def _samples(self, uuid: str, handle) -> list | str:
+        """The card's per-process samples since the last pass (this pass's, read once), or why there are none."""
+        cache = getattr(self, "_pass", None)
+        if cache is None:
+            cache = self._pass = {}
+        if uuid in cache:
+            return cache[uuid]
+        nvml = self.nvml
+        try:
+            samples = list(nvml.nvmlDeviceGetProcessUtilization(handle, self._last.get(uuid, 0)))
+        except nvml.NVMLError_NotFound:
+            samples = []  # no process ran a kernel on this card since the last look
+        except nvml.NVMLError_NotSupported:
+            samples = f"card {uuid} gives no per-process samples (MIG or time-slicing): its GPU use is unknown"
+        except nvml.NVMLError as error:
+            samples = f"NVML failed on card {uuid} ({error})"
+        for sample in samples if isinstance(samples, list) else ():
+            self._last[uuid] = max(self._last.get(uuid, 0), int(sample.timeStamp))
+        cache[uuid] = samples
+        return samples
 
 
 # --- GPU use from metrics (Kubernetes: HAMi) ------------------------------------------------------------------
@@ -268,46 +286,3 @@ class PodGPUMetrics:
             percent = max(percent, 100.0)  # ran a kernel since the last look
         note = f"last kernel {since_kernel:.0f} s ago" if since_kernel is not None else ""
         return GPUReading(percent, note)
-
-
-# --- Jupyter's own activity -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class JupyterActivity:
-    busy_kernels: int | None
-    last_activity: datetime | None
-    note: str = ""
-
-
-def _when(text: str | None) -> datetime | None:
-    if not text:
-        return None
-    try:
-        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
-
-
-def jupyter_activity(server_url: str, token: str, timeout: float = 10) -> JupyterActivity:
-    """Kernels and terminals of the Jupyter server at `server_url` (`http://proxy/user/NAME/`), asked with a
-    token of the server's user that may access that server alone (the server can read it: it must give nothing
-    its user does not have). Blocking: call it from a thread."""
-    def get(path: str):
-        request = urllib.request.Request(server_url.rstrip("/") + path,
-                                         headers={"Authorization": f"token {token}", "Accept": "application/json"})
-        with urllib.request.urlopen(request, timeout=timeout) as answer:
-            return json.loads(answer.read() or b"null")
-
-    try:
-        kernels = get("/api/kernels")
-    except (OSError, ValueError) as error:
-        return JupyterActivity(None, None, f"Jupyter's API did not answer ({error})")
-    try:
-        terminals = get("/api/terminals")
-    except (OSError, ValueError):
-        terminals = []  # terminals off: kernels still tell
-    busy = sum(1 for kernel in kernels if kernel.get("execution_state") == "busy")
-    moments = [m for m in (_when(item.get("last_activity")) for item in [*kernels, *terminals]) if m is not None]
-    return JupyterActivity(busy, max(moments) if moments else None)

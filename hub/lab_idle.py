@@ -1,4 +1,7 @@
-"""The idle culler's warning inside JupyterLab, server side: a Jupyter Server extension in every user server.
+"""The idle culler's side in every user server (a Jupyter Server extension): the server's activity reported to the
+culler, and the culler's warning inside JupyterLab.
+
+Every minute it posts its kernels' state and latest kernel or terminal activity to the culler (`report_activity`).
 
 `GET /gpupool/idle` says whether the culler has warned that this server will be stopped (and its message);
 `POST /gpupool/idle/keep` (`{"hours": 1}`) postpones the stop. The browser asks its own server, with its own
@@ -15,11 +18,12 @@ import json
 import os
 import urllib.parse
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import datetime, timezone
 
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
+from tornado.ioloop import IOLoop, PeriodicCallback
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
 from gpupool.spawner.wiring import CULLER_SERVICE
@@ -144,9 +148,50 @@ def _jupyter_server_extension_points() -> list[dict]:
     return [{"module": "gpupool.hub.lab_idle"}]
 
 
+#: Seconds between two reports of the server's Jupyter activity to the culler (GPUPOOL_IDLE_REPORT_SECONDS).
+REPORT_SECONDS = 60
+
+
+async def jupyter_activity(serverapp) -> tuple[int, datetime | None]:
+    """This server's kernels executing now, and the latest kernel or terminal activity (never an HTTP request:
+    an open browser tab polls the API, and that is not work)."""
+    kernels = serverapp.kernel_manager.list_kernels()
+    moments = [k.get("last_activity") for k in kernels]
+    terminals = serverapp.web_app.settings.get("terminal_manager")
+    if terminals is not None:
+        listed = terminals.list()
+        listed = await listed if hasattr(listed, "__await__") else listed
+        moments += [t.get("last_activity") for t in listed]
+    parsed = [m if isinstance(m, datetime) else _when(m) if isinstance(m, str) else None for m in moments]
+    latest = max((m.astimezone(timezone.utc) for m in parsed if m is not None and m.tzinfo), default=None)
+    return sum(1 for k in kernels if k.get("execution_state") == "busy"), latest
+
+
+async def report_activity(serverapp) -> None:
+    """Tell the culler what this server's kernels do (`POST api/activity`, with the server's own token): the culler
+    never asks a server itself, so no token of the culler's ever reaches one."""
+    url, token = culler_url(), os.environ.get("JUPYTERHUB_API_TOKEN", "")
+    if url is None or not token:
+        return
+    try:
+        busy, latest = await jupyter_activity(serverapp)
+        body = {"server": os.environ.get("JUPYTERHUB_SERVER_NAME", ""), "busy_kernels": busy,
+                "last_activity": latest.isoformat() if latest else None}
+        await AsyncHTTPClient().fetch(HTTPRequest(
+            url + "api/activity", method="POST", body=json.dumps(body), request_timeout=TIMEOUT_S,
+            follow_redirects=False, headers={"Authorization": f"token {token}", "Content-Type": "application/json"}))
+    except Exception as error:  # the culler restarting, or not there: the next report tries again
+        serverapp.log.debug("gpupool: the idle culler did not take this server's activity report: %s", error)
+
+
 def _load_jupyter_server_extension(serverapp) -> None:
     base = serverapp.web_app.settings["base_url"]
     serverapp.web_app.add_handlers(".*$", [
         (url_path_join(base, "gpupool/idle"), WarningHandler),
         (url_path_join(base, "gpupool/idle/keep"), KeepHandler),
     ])
+    if culler_url() is not None and os.environ.get("JUPYTERHUB_API_TOKEN"):
+        seconds = float(os.environ.get("GPUPOOL_IDLE_REPORT_SECONDS") or REPORT_SECONDS)
+        report = PeriodicCallback(lambda: report_activity(serverapp), seconds * 1000)
+        report.start()
+        IOLoop.current().add_callback(report_activity, serverapp)

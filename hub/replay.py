@@ -453,11 +453,14 @@ class Replay:
 
 
 def preempt(policy: Policy, cluster: Cluster, outcomes: list, pending: dict[str, tuple[Request, int]],
-            running: dict[str, bool], results: dict[str, JobResult]) -> list[str]:
+            running: dict[str, bool], results: dict[str, JobResult], decide: Admission,
+            done_for: set[str]) -> list[str]:
     """The jobs to stop for the first request of the queue that waits for room and may preempt
     (`accounting.preemption.victims`, as the embedded job runner asks it: one request at a time); [] for none.
     A stopped job loses nothing: it resumes where it stopped (a periodic checkpoint makes that nearly true).
-    `running`: the preemptible jobs running (servers never are), and whether each runs deprioritized."""
+    `running`: the preemptible jobs running (servers never are), and whether each runs deprioritized. A request
+    preempts at its priority as admitted (an over-budget one at the lowest: it preempts nothing), and at most once
+    an instant (`done_for`): what it stopped is not stopped again for it at once."""
     rules = policy.jobs.preemption
     if not rules.enabled or not running:
         return []
@@ -468,7 +471,13 @@ def preempt(policy: Policy, cluster: Cluster, outcomes: list, pending: dict[str,
         if outcome.action == "wait" and outcome.code is Reason.NO_CAPACITY and outcome.key in pending:
             request = pending[outcome.key][0]
             heads.setdefault(request.model, request)
-    for request in sorted(heads.values(), key=lambda r: (-r.priority, pending[r.key][1])):
+    def admitted_priority(request: Request) -> int:
+        verdict = decide.last.get(request.key)
+        return LOWEST_PRIORITY if verdict is not None and verdict.priority == LOWEST_PRIORITY else request.priority
+
+    for request in sorted(heads.values(), key=lambda r: (-admitted_priority(r), pending[r.key][1])):
+        if request.key in done_for:
+            continue
         kind = results[request.key].job.kind
         holders = []
         for key, deprioritized in running.items():
@@ -497,9 +506,10 @@ def preempt(policy: Policy, cluster: Cluster, outcomes: list, pending: dict[str,
             whole = [i for i, f in enumerate(free) if f >= 1]
             return whole[:int(share)] if len(whole) >= share else None
 
-        chosen = victims(rules, kind, request.priority, request.model, request.share, cards, dict(cluster.used),
-                         holders, fits)
+        chosen = victims(rules, kind, admitted_priority(request), request.model, request.share, cards,
+                         dict(cluster.used), holders, fits)
         if chosen:
+            done_for.add(request.key)
             return chosen
     return []
 
@@ -589,6 +599,7 @@ def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Ca
         if not pending:
             continue
         decide.at(now)
+        preempted_for: set[str] = set()  # requests that preempted at this instant
         while True:
             outcomes, _ = admit_in_order(list(pending.values()), holdings, decide, cluster.reserve, cluster.capacity)
             for outcome in outcomes:
@@ -615,7 +626,7 @@ def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Ca
                 if placed.preemptible and placed.kind == "job":
                     running[outcome.key] = decide.last[outcome.key].priority == LOWEST_PRIORITY
                 heapq.heappush(heap, (ends[outcome.key], 0, arrived, outcome.key))
-            stopped = preempt(policy, cluster, outcomes, pending, running, results)
+            stopped = preempt(policy, cluster, outcomes, pending, running, results, decide, preempted_for)
             if not stopped:
                 break
             # The preempted jobs go back to the queue, keeping their place, with the time they still had to run.

@@ -282,6 +282,11 @@ def _positive(value: Any) -> Decimal:
 PositiveDecimal = Annotated[Decimal, BeforeValidator(_positive), PlainSerializer(str, return_type=str)]
 
 
+#: The longest times an idle rule may name: a year.
+IDLE_MOST_MINUTES = 525_600
+IDLE_MOST_HOURS = 8_760
+
+
 class Idle(Strict):
     """When the idle culler stops a server that holds a GPU share and does nothing with it.
 
@@ -315,6 +320,11 @@ class Idle(Strict):
         for name in ("gpu_below_percent", "cpu_below_percent"):
             if getattr(self, name) > 100:
                 raise ValueError(f"{name} must be at most 100")
+        for name, most in (("after_minutes", IDLE_MOST_MINUTES), ("warn_minutes", IDLE_MOST_MINUTES),
+                           ("max_age_hours", IDLE_MOST_HOURS), ("keep_max_hours", IDLE_MOST_HOURS)):
+            value = getattr(self, name)
+            if value is not None and value > most:
+                raise ValueError(f"{name} must be at most {most} (a year)")
         if self.warn_minutes >= self.after_minutes:
             raise ValueError(f"warn_minutes ({self.warn_minutes}) must be less than after_minutes "
                              f"({self.after_minutes})")

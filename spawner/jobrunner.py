@@ -446,7 +446,15 @@ class JobRunner:
         if not rules.enabled or not blocked or not self.active:
             return
         stopping = {key for key, a in self.active.items() if a.stopping is not None}
-        blocked.sort(key=lambda t: (-t.request.priority, t.seq))
+        # Each at its priority as admitted: an over-budget request queues at the lowest and preempts nothing (at its
+        # nominal priority it would stop a job that is then admitted ahead of it, round after round).
+        holdings = await asyncio.to_thread(self.pool.holdings)
+        admitted = {}
+        for ticket in blocked:
+            verdict = await asyncio.to_thread(self.pool.decide, ticket.request, holdings)
+            admitted[ticket.request.key] = (LOWEST_PRIORITY if verdict.priority == LOWEST_PRIORITY
+                                            else ticket.request.priority)
+        blocked.sort(key=lambda t: (-admitted[t.request.key], t.seq))
         for ticket in blocked:
             request = ticket.request
             kind = "job" if is_job_key(request.key) else "server"
@@ -459,7 +467,7 @@ class JobRunner:
                     for card in active.allocation.cards:
                         used[card] = used.get(card, Fraction(0)) - min(active.allocation.share, Fraction(1))
             placement = placement_for(policy, request.model)
-            chosen = victims(rules, kind, request.priority, request.model, request.share, cards, used, holders,
+            chosen = victims(rules, kind, admitted[request.key], request.model, request.share, cards, used, holders,
                              lambda free, share: choose_cards(free, share, placement))
             for job_id in chosen:
                 self.log.warning("gpupool: preempting job %s for %s (priority %d)", job_id, request.key,

@@ -29,10 +29,9 @@ MLFLOW_SCOPES: tuple[str, ...] = ()
 CULLER_SERVICE = "culler"
 CULLER_ROLE = "gpupool-culler"
 #: The idle culler's scopes: which servers run (`read:servers`), with their state (`admin:server_state`: PID,
-#: cards, ledger run), the stop (`delete:servers`), and `tokens`: to ask a server's Jupyter API about its kernels
-#: it makes that server's user a token for that one server (`access:servers!server=USER/NAME`, an hour), so that
-#: its own token never reaches a server, where its user's code runs.
-CULLER_SCOPES = ("list:users", "read:users:name", "read:servers", "admin:server_state", "delete:servers", "tokens")
+#: cards, ledger run), and the stop (`delete:servers`). It never calls a server: each server reports its kernels
+#: to it (gpupool.hub.lab_idle, with the server's own token).
+CULLER_SCOPES = ("list:users", "read:users:name", "read:servers", "admin:server_state", "delete:servers")
 #: What a user server's own API token ($JUPYTERHUB_API_TOKEN, also $MLFLOW_TRACKING_TOKEN) may do: JupyterHub's
 #: default `server` role, plus calling the MLflow service, the jobs service and the idle culler (JupyterLab's
 #: warning before a stop, and its "keep it": gpupool.hub.lab_idle).

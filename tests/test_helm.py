@@ -273,7 +273,6 @@ def test_the_culler_runs_as_the_hub_service_the_wiring_names_with_hamis_metrics(
     assert culler.namespace == NAMESPACE and culler.cpu is False and culler.interval == 30
     assert culler.port == container["ports"][0]["containerPort"] and service["spec"]["ports"][0]["targetPort"] == "http"
     assert culler.prefix == "/services/culler/"
-    assert culler.public_url == "http://proxy-public/"
     assert culler.hub_api_url == "http://hub:8081/hub/api"
     assert culler.policy_dir == hub["extraEnv"]["GPUPOOL_POLICIES"]
     assert culler.ledger_url == "postgresql+psycopg://gpupool@postgres.db.svc:5432/gpupool?sslmode=prefer"
@@ -306,13 +305,12 @@ def test_the_culler_without_hami_urls_runs_without_a_gpu_signal_and_takes_its_ow
                                  namespace=NAMESPACE, is_install=True)["gpupool/templates/NOTES.txt"]
         assert ("The idle culler has no GPU signal yet" in notes) is said
     values = merge(values_for(EXAMPLES_DIR), {"culler": {
-        "gpuSource": "none", "metricsUrls": HAMI_MONITORS, "namespace": "users", "publicUrl": "http://hub.example/",
+        "gpuSource": "none", "metricsUrls": HAMI_MONITORS, "namespace": "users",
         "extraArgs": ["--IdleCuller.concurrency=16"], "extraEnv": {"GPUPOOL_NAV_SERVICES": "accounting,culler"}}})
     container = culler_container({key(o): o for o in render(values)})
     assert not [a for a in container["args"] if "metrics_urls" in a]
     culler = culler_as_configured(container, monkeypatch)
-    assert (culler.gpu_source, culler.namespace, culler.public_url, culler.concurrency) == (
-        "none", "users", "http://hub.example/", 16)
+    assert (culler.gpu_source, culler.namespace, culler.concurrency) == ("none", "users", 16)
     assert {"name": "GPUPOOL_NAV_SERVICES", "value": "accounting,culler"} in container["env"]
 
 
@@ -345,7 +343,7 @@ def test_chart_defaults_are_the_python_constants_and_version():
     assert defaults["gpupool"]["accountingPort"] == volcano.ACCOUNTING_PORT
     assert defaults["gpupool"]["cullerService"] == volcano.CULLER_SERVICE
     assert defaults["gpupool"]["cullerPort"] == volcano.CULLER_PORT
-    assert defaults["culler"]["enabled"] is True and defaults["culler"]["publicUrl"] == "http://proxy-public/"
+    assert defaults["culler"]["enabled"] is True and "publicUrl" not in defaults["culler"]
     assert defaults["gpupool"]["policyDir"] == volcano.POLICY_DIR
     assert metadata["appVersion"] == __version__
     assert metadata["apiVersion"] == "v2"

@@ -14,13 +14,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-import requests
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from gpupool.hub.harness import free_port_block
 from gpupool.hub.idle_signals import (
     DCGM_ENGINE_ACTIVE, HAMI_LAST_KERNEL, HAMI_UTILIZATION, CPUMeter, NVMLGPU, PodGPUMetrics, ProcessTable, ProcessTree,
-    jupyter_activity,
 )
 
 LABELS = ["podnamespace", "podname", "ctrname", "vdeviceid", "deviceuuid"]
@@ -111,7 +109,7 @@ def test_cpu_of_a_process_tree_busy_and_sleeping():
         assert first["busy"] == (None, "first look: CPU use is measured from the next one")
         time.sleep(1.5)
         second = {name: meter.percent(name, tree.processes())[0] for name, tree in trees.items()}
-        assert second["sleeping"] == 0.0 and second["busy"] > 0.0
+        assert second["sleeping"] < 5 and second["busy"] > second["sleeping"]
         # A PID whose start time is not the server's is not the server (a reused PID).
         assert ProcessTree(sleeping.pid, psutil.Process(sleeping.pid).create_time() - 100).processes() == []
     finally:
@@ -133,7 +131,11 @@ def test_nvml_per_process_samples_through_the_double(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", double)
     gpu = NVMLGPU()
     assert gpu.available
+    gpu.new_pass()
     assert gpu.reading(["GPU-0"], {101, 102}).percent == 70.0
+    # Another server on the same card in the same pass reads the same samples (a second NVML call in the same
+    # second would find none newer, and see a busy server idle).
+    assert gpu.reading(["GPU-0"], {202}).percent == 0.0 and gpu.reading(["GPU-0"], {101}).percent == 70.0
     holding = gpu.reading(["GPU-1"], {202})
     assert holding.percent == 0.0 and holding.note == "holds 3072 MiB of GPU memory"
     assert gpu.reading(["GPU-9"], {101}).percent is None  # a card NVML does not know: unknown, not idle
@@ -145,31 +147,6 @@ def test_without_a_driver_the_gpu_signal_says_so(monkeypatch):
     gpu = NVMLGPU()
     reading = gpu.reading(["GPU-0"], {1})
     assert not gpu.available and reading.percent is None and reading.note.startswith("no NVIDIA driver")
-
-
-def test_jupyter_activity_from_a_real_server(tmp_path):
-    port = free_port_block(1)
-    token = "signals-test-token"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "jupyter_server", f"--port={port}", "--no-browser", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={tmp_path}", "--ServerApp.ip=127.0.0.1", "--allow-root"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}/"
-    try:
-        deadline = time.monotonic() + 120
-        while (found := jupyter_activity(url, token, timeout=5)).busy_kernels is None:
-            assert time.monotonic() < deadline, found.note
-            time.sleep(0.5)
-        assert found.busy_kernels == 0 and found.last_activity is None  # no kernel, no terminal yet
-        started = requests.post(f"{url}api/kernels", json={}, headers={"Authorization": f"token {token}"}, timeout=60)
-        assert started.status_code == 201, started.text
-        with_kernel = jupyter_activity(url, token, timeout=30)
-        assert with_kernel.busy_kernels in (0, 1) and with_kernel.last_activity is not None  # starting: activity
-        wrong = jupyter_activity(url, "not-the-token", timeout=5)
-        assert wrong.busy_kernels is None and "did not answer" in wrong.note
-    finally:
-        server.terminate()
-        server.wait(30)
 
 
 @pytest.mark.asyncio

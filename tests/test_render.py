@@ -267,7 +267,7 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
                 "gpupool-culler": {
                     "description": "gpupool-culler warns, then stops, servers whose GPU share sits idle",
                     "scopes": ["list:users", "read:users:name", "read:servers", "admin:server_state",
-                               "delete:servers", "tokens"],
+                               "delete:servers"],
                     "services": ["culler"],
                 },
                 "user": {"scopes": ["self", "access:services!service=accounting", "access:services!service=mlflow",

@@ -198,7 +198,20 @@ def test_a_higher_priority_request_preempts_a_preemptible_job_which_resumes_wher
     assert [run.results[f"half{i}"].preempted for i in range(2)] == [0, 1]
 
 
-def test_preemptible_teams_from_the_command_line(tmp_path):
+def test_an_over_budget_request_preempts_nothing_and_the_replay_ends():
+    # vision's one GPU-hour is spent: its next request is admitted deprioritized (the lowest priority), behind
+    # nlp's preemptible job, which it must not preempt (nor, re-admitted ahead of it, again and again).
+    budget = ONE_CARD.model_copy(update={"teams": {**ONE_CARD.teams, "vision": ONE_CARD.teams["vision"].model_copy(
+        update={"budget": POLICY.teams["vision"].budget})}})
+    jobs = [R.Job("spent", "vision-a", "vision", "H200", Fraction(1), 0.0, 3600.0),
+            R.Job("train", "nlp-a", "nlp", "H200", Fraction(1), 3600.0, 7200.0, preemptible=True),
+            R.Job("late", "vision-a", "vision", "H200", Fraction(1), 4000.0, 600.0)]
+    run = R.replay(R.Workload(jobs, datetime(2026, 3, 1, tzinfo=timezone.utc)), budget)
+    assert run.results["train"].preempted == 0 and run.results["late"].deprioritized
+    assert run.results["late"].started == 3600.0 + 7200.0  # after nlp's job, as the lowest priority
+
+
+def test_marking_teams_preemptible(tmp_path):
     jobs = [R.Job("a", "nlp-a", "nlp", "H200", Fraction(1), 0.0, 60.0),
             R.Job("b", "nlp-a", "nlp", "H200", Fraction(1), 0.0, 60.0, kind="server"),
             R.Job("c", "vision-a", "vision", "H200", Fraction(1), 0.0, 60.0)]

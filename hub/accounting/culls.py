@@ -93,7 +93,7 @@ class IdleStore:
                   "last_active_at": record.last_active, "warned_at": record.warned_at,
                   "warned_for": record.warned_for, "seen_at": seen_at, "seen": json.dumps(seen, sort_keys=True)}
         with self._writer.begin() as connection:
-            current = connection.execute(sa.select(IDLE).where(IDLE.c.run == run)).first()
+            current = connection.execute(sa.select(IDLE).where(IDLE.c.run == run).with_for_update()).first()
             if current is None:
                 connection.execute(IDLE.insert().values(
                     run=run, keep_until=record.keep_until, kept_s=int(record.kept.total_seconds()),
@@ -111,10 +111,14 @@ class IdleStore:
                 keep_until=record.keep_until, kept_s=int(record.kept.total_seconds()), warned_at=None,
                 warned_for=None))
 
-    def request_cull(self, run: str, at: datetime, reason: str) -> None:
+    def request_cull(self, run: str, at: datetime, reason: str, kept: timedelta) -> bool:
+        """Mark `run` as being stopped by the culler, unless its user kept it since the culler read its record
+        (`kept`, what had been kept then) or a stop is already asked for; whether it was marked."""
         with self._writer.begin() as connection:
-            connection.execute(IDLE.update().where(IDLE.c.run == run).values(cull_requested_at=at,
-                                                                             cull_reason=reason))
+            return connection.execute(
+                IDLE.update().where(IDLE.c.run == run, IDLE.c.kept_s == int(kept.total_seconds()),
+                                    IDLE.c.cull_requested_at.is_(None))
+                .values(cull_requested_at=at, cull_reason=reason)).rowcount == 1
 
     def cull_failed(self, run: str) -> None:
         """The hub did not stop it: a later stop by its user is not a cull."""

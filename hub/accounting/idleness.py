@@ -5,7 +5,7 @@ Jupyter's own activity), keeps one `IdleRecord` per server run in the ledger's d
 `Decision` made here: nothing here reads a clock, a process or a database.
 
 A server is *active* at a look when any signal is over its threshold: its processes' GPU utilisation, their CPU
-use, a kernel executing. Jupyter's own last kernel or terminal activity moves the last active moment too (an
+use, a kernel executing; and when no signal at all can be read (no evidence is never a reason to stop it). Jupyter's own last kernel or terminal activity moves the last active moment too (an
 open browser tab does not: JupyterLab's polling is not activity of a kernel). Idle for the rule's
 `after_minutes` since the last active moment (or past `max_age_hours` since its start), it is stopped, never
 without a warning at least `warn_minutes` before; "keep it" postpones the stop, up to `keep_max_hours` in all.
@@ -93,6 +93,11 @@ def active(rule: Idle, signals: Signals) -> list[str]:
     return seen
 
 
+def known(signals: Signals) -> bool:
+    """Whether anything at all could be read at this look."""
+    return any(v is not None for v in (signals.gpu_percent, signals.cpu_percent, signals.busy_kernels))
+
+
 def _say(delta: timedelta) -> str:
     total = int(delta.total_seconds() // 60)
     if total < 1:
@@ -105,12 +110,13 @@ def decide(rule: Idle, signals: Signals, record: IdleRecord, now: datetime, serv
     last = record.last_active
     if signals.jupyter_activity is not None and signals.jupyter_activity > last:
         last = min(signals.jupyter_activity, now)
-    if active(rule, signals):
-        last = now
+    if active(rule, signals) or not known(signals):
+        last = now  # something ran; or nothing could be read, and a server is never stopped on no evidence
     if last > record.last_active:
         record = replace(record, last_active=last)
     if not rule.enabled:
-        return Decision(Action.EXEMPT, record, None)
+        # A warning given before the rule was turned off is over: turned on again, it warns anew.
+        return Decision(Action.EXEMPT, replace(record, warned_at=None, warned_for=None), None)
 
     cull_at, cause = last + minutes(rule.after_minutes), "idle"
     if rule.max_age_hours is not None and record.started + hours(rule.max_age_hours) < cull_at:

@@ -78,9 +78,27 @@ def test_a_culler_that_was_down_warns_first_and_culls_warn_minutes_later():
 
 
 def test_unknown_signals_are_left_out_not_guessed():
-    unknown = Signals(gpu_percent=None, gpu_note="no per-process samples", cpu_percent=None, busy_kernels=None)
-    # Nothing says the server works: idle as far as anything can tell (warned, then culled).
-    assert [d.action for d in run_looks(RULE, [(50, unknown), (60, unknown)])] == [Action.WARN, Action.CULL]
+    # The GPU unknown (time-slicing), the rest idle: idle as far as the known signals tell, warned then culled.
+    partial = Signals(gpu_percent=None, gpu_note="no per-process samples", cpu_percent=0.5, busy_kernels=0)
+    assert [d.action for d in run_looks(RULE, [(50, partial), (60, partial)])] == [Action.WARN, Action.CULL]
+    # Nothing readable at all: never stopped on no evidence.
+    unknown = Signals(gpu_percent=None, cpu_percent=None, busy_kernels=None)
+    assert {d.action for d in run_looks(RULE, [(m, unknown) for m in (50, 60, 500)])} == {Action.ACTIVE}
+
+
+def test_a_rule_turned_off_ends_its_warning_and_turned_on_again_warns_anew():
+    off = RULE.model_copy(update={"enabled": False})
+    warned = run_looks(RULE, [(50, QUIET)])[0].record
+    exempt = decide(off, QUIET, warned, T0 + minutes(55))
+    assert exempt.action is Action.EXEMPT and exempt.record.warned_at is None
+    again = decide(RULE, QUIET, exempt.record, T0 + minutes(240))
+    assert again.action is Action.WARN and again.cull_at == T0 + minutes(250)
+
+
+def test_times_beyond_a_year_are_refused_by_the_policy():
+    for field, value in (("after_minutes", 10**10), ("max_age_hours", 10**9), ("keep_max_hours", 10**12)):
+        with pytest.raises(ValueError, match=f"{field} must be at most"):
+            Idle.model_validate({field: value})
 
 
 def test_keep_it_postpones_within_the_policy_and_is_then_refused():
@@ -160,7 +178,8 @@ def test_a_culled_run_ends_culled_and_a_users_own_stop_stays_stopped(ledger):
         store.save(run, "alice", run[-1], "vision", "h200-quarter", decision.record, T0 + minutes(50),
                    {"message": decision.message})
     assert [s.run for s in store.running("alice")] == ["run-a", "run-b"]
-    store.request_cull("run-a", T0 + minutes(60), "idle")
+    assert store.request_cull("run-a", T0 + minutes(60), "idle", timedelta(0))
+    assert not store.request_cull("run-a", T0 + minutes(60), "idle", timedelta(0))  # asked once
     assert [s.run for s in store.running(None)] == ["run-b"]  # being culled: no longer offered a keep
     ledger.close_run("run-a", T0 + minutes(60), HowEnded.STOPPED)  # what the spawner's stop writes
     ledger.close_run("run-b", T0 + minutes(61), HowEnded.STOPPED)
@@ -181,7 +200,10 @@ def test_a_keep_granted_during_a_look_is_not_undone_by_it(ledger):
     store.save("run-a", "alice", "", "vision", "h200-quarter", stale.record, T0 + minutes(52), {})
     record = store.get("run-a").record
     assert record.keep_until == T0 + minutes(111) and record.kept == timedelta(hours=1) and record.warned_at is None
-    store.request_cull("run-a", T0 + minutes(60), "idle")
+    # A look that read the record before the keep decides to cull: the stop is not asked for (the keep stands).
+    assert not store.request_cull("run-a", T0 + minutes(60), "idle", seen.record.kept)
+    assert store.get("run-a").cull_requested_at is None
+    assert store.request_cull("run-a", T0 + minutes(60), "idle", kept.kept)
     store.cull_failed("run-a")  # the hub did not stop it: a later stop of its user is not a cull
     ledger.close_run("run-a", T0 + minutes(70), HowEnded.STOPPED)
     assert [i.how for i in ledger.intervals_overlapping(T0, T0 + minutes(120))] == [HowEnded.STOPPED]

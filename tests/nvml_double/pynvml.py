@@ -1,10 +1,10 @@
 """A TEST DOUBLE of `pynvml` (nvidia-ml-py), for the idle culler's tests on machines without an NVIDIA GPU.
 
 Put this folder first on PYTHONPATH and point GPUPOOL_NVML_DOUBLE at a JSON file the test writes:
-`{"cards": ["GPU-…", …], "utilization": {"PID": SM percent, …}, "memory": {"PID": bytes, …}}`. Each call of
-`nvmlDeviceGetProcessUtilization` returns one sample, stamped now, per process listed with a utilisation on
-any card, as NVML returns the samples since the asked timestamp; none since it raises NVMLError_NotFound, as
-NVML does. It implements only what gpupool calls; the real library is what runs on a GPU machine (`--gpu`).
+`{"cards": ["GPU-…", …], "utilization": {"PID": SM percent, …, or "*": every process}, "memory": {"PID": bytes}}`.
+`nvmlDeviceGetProcessUtilization` returns one sample per process listed, stamped with the current whole second,
+when that is newer than the asked timestamp, as NVML returns the samples since it; none raises
+NVMLError_NotFound, as NVML does. It implements only what gpupool calls; the real library is what runs on a GPU machine (`--gpu`).
 """
 
 from __future__ import annotations
@@ -68,9 +68,16 @@ def nvmlDeviceGetComputeRunningProcesses(handle: str) -> list:
 
 
 def nvmlDeviceGetProcessUtilization(handle: str, last_seen: int) -> list:
-    now = int(time.time() * 1_000_000)
-    samples = [SimpleNamespace(pid=int(pid), timeStamp=now, smUtil=int(sm), memUtil=0, encUtil=0, decUtil=0)
-               for pid, sm in _state().get("utilization", {}).items()]
-    if not samples or now <= last_seen:
+    # As NVML: samples are taken at intervals (here one a second), and a call returns those newer than
+    # `last_seen`; asked twice within a second, the second call finds none.
+    stamp = int(time.time()) * 1_000_000
+    utilization = _state().get("utilization", {})
+    if "*" in utilization:  # every process on the machine (the test's way to say "everything is busy")
+        import psutil
+
+        utilization = {pid: utilization["*"] for pid in psutil.pids()}
+    samples = [SimpleNamespace(pid=int(pid), timeStamp=stamp, smUtil=int(sm), memUtil=0, encUtil=0, decUtil=0)
+               for pid, sm in utilization.items()]
+    if not samples or stamp <= last_seen:
         raise NVMLError_NotFound("no samples since the timestamp")
     return samples
