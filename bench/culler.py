@@ -2,8 +2,9 @@
 against jupyterhub-idle-culler (its `cull_idle`), on the same hub, passes interleaved in one run.
 
 The hub is a real JupyterHub behind its real proxy (configurable-http-proxy); its servers are small HTTP processes
-(`bench/culler_servers.py`) that answer the Jupyter API gpupool's culler asks of each server (`api/kernels`,
-`api/terminals`, through the proxy) and whose state holds a GPU share as gpupool's spawners' does. Both cullers
+(`bench/culler_servers.py`) whose state holds a GPU share as gpupool's spawners' does. gpupool's culler reads each
+server's process tree (CPU), NVML (unavailable without a driver, which it says) and its record in the ledger, and
+asks no server anything (servers report their kernels to it; the reports are not part of a pass). Both cullers
 run in this process, configured as their services are, each with its service's token and scopes. Per pass, after
 one warm-up pass of each: wall time, requests to the hub's REST API (gpupool: its `hub_requests` metric;
 jupyterhub-idle-culler: its tornado fetches to the hub) and requests the servers received. Neither stops anything

@@ -280,6 +280,9 @@ def test_the_culler_runs_as_the_hub_service_the_wiring_names_with_hamis_metrics(
     accounting = rendered[("Deployment", NAMESPACE, "pool-accounting")]["spec"]["template"]["spec"]
     pod = rendered[("Deployment", NAMESPACE, "pool-culler")]["spec"]["template"]["spec"]
     assert pod["automountServiceAccountToken"] is False
+    # Never two cullers at once, not even during an upgrade (each would count the same idle time).
+    assert rendered[("Deployment", NAMESPACE, "pool-culler")]["spec"]["strategy"] == {"type": "Recreate"}
+    assert "strategy" not in rendered[("Deployment", NAMESPACE, "pool-accounting")]["spec"]
     assert pod["securityContext"] == accounting["securityContext"]
     assert container["securityContext"] == accounting["containers"][0]["securityContext"]
     assert container["securityContext"]["readOnlyRootFilesystem"] is True

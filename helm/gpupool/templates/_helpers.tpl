@@ -85,7 +85,8 @@ reads the policies and the ledger and is a JupyterHub service (HubOAuth for user
 API): the token is z2jh's `hub.services.<service>.apiToken` in the hub Secret. The hub's address and Secret are
 accounting.hubApiUrl and accounting.hubSecretName for every such service (MLflow's too).
 Call with (dict "context" $ "component" "culler" "service" "culler" "port" 8080 "settings" .Values.culler
-"args" (list "--x") "env" (list (dict "name" "X" "value" "x"))); args and env are optional.
+"args" (list "--x") "env" (list (dict "name" "X" "value" "x")) "recreate" true); args, env and recreate (a
+Deployment that never runs two pods, even during an upgrade) are optional.
 */}}
 {{- define "gpupool.hubService" -}}
 {{- $c := .context -}}
@@ -103,6 +104,11 @@ metadata:
     {{- include "gpupool.labels" (dict "context" $c "component" $component) | nindent 4 }}
 spec:
   replicas: 1
+  {{- if .recreate }}
+  # One at a time, also during an upgrade: two would look at the same servers and count idle time twice.
+  strategy:
+    type: Recreate
+  {{- end }}
   selector:
     matchLabels:
       {{- include "gpupool.selector" (dict "context" $c "component" $component) | nindent 6 }}
