@@ -19,7 +19,7 @@ from typing import Any
 
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting import notify
-from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest, Decision, Reason
+from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest, Decision, Reason, decide
 from gpupool.hub.accounting.ledger import HowEnded
 from gpupool.policies.choice import Choice
 from gpupool.policies.model import Policy, parse_quantity
@@ -27,7 +27,7 @@ from gpupool.policies.resources import GPUResources, profile_gpu, profile_share
 from gpupool.spawner import podgroups
 from gpupool.spawner.datasets import KUBE_POST_START, KUBE_TEAM_ROOT, kube_env
 from gpupool.spawner.metrics import count_decision
-from gpupool.spawner.mixin import GPUPoolSpawnerMixin, refusal
+from gpupool.spawner.mixin import Availability, GPUPoolSpawnerMixin, ProfileAvailability, refusal
 from gpupool.spawner.volcano import (
     DEPRIORITIZED_CLASS,
     Release,
@@ -301,7 +301,7 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
     def _default_options_form(self):
         if self.profile_form == "kubespawner":
             return self._render_options_form_dynamically
-        return GPUPoolSpawnerMixin._render_form
+        return GPUPoolSpawnerMixin._form_with_availability  # each profile's line: start, wait or refuse, and why
 
     @default("options_from_form")
     def _default_options_from_form(self):
@@ -550,6 +550,39 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         """The exception for a spawn refused, or whose wait ended, with reason `code` (counted)."""
         count_decision(code)
         return refusal(message, code)
+
+    async def profile_availability(self) -> Availability:
+        """What a spawn of each profile the user may pick would do now, as far as gpupool decides it: the ledger's
+        decision (quota and budget, the same `admission.decide` the door takes, nothing held); where it admits,
+        whether the cluster has room is Volcano's to decide, and the line says so. The queue: this namespace's
+        gpupool pods still pending."""
+        teams = self.user_teams()
+        if not teams or not self.ledger_url:
+            return Availability()
+        policy, ledger, at = self.policy, self.ledger, periods.utcnow()
+        holdings, usage = await asyncio.gather(asyncio.to_thread(ledger.holdings),
+                                               asyncio.to_thread(ledger.usage, periods.period_of(at), at))
+        seen: dict[str, ProfileAvailability] = {}
+        for slug, profile in self.available_profiles().items():
+            if profile.gpu is None:
+                seen[slug] = ProfileAvailability("start", "no GPU: it never queues")
+                continue
+            team = next(t for t in teams if t in profile.teams)
+            decision = decide(policy, AdmissionRequest(user=self.user.name, team=team, at=at, profile=slug),
+                              holdings, usage)
+            if decision.action == "deny":
+                seen[slug] = ProfileAvailability("refuse", decision.reason, str(decision.code))
+            elif not decision.admitted:
+                seen[slug] = ProfileAvailability("wait", decision.reason, str(decision.code))
+            else:
+                seen[slug] = ProfileAvailability(
+                    "start", f"within quota and budget; Volcano starts it when the cluster has room in queue "
+                             f'"{team}"', str(decision.code))
+        pods = list(self.pod_reflector.resources.values()) if self.pod_reflector is not None else ()
+        waiting = [pod for pod in pods if (pod.get("status") or {}).get("phase") == "Pending"
+                   and QUEUE_ANNOTATION in ((pod.get("metadata") or {}).get("annotations") or {})]
+        mine = sum(1 for pod in waiting if pod["metadata"]["annotations"][QUEUE_ANNOTATION] in teams)
+        return Availability(seen, len(waiting), mine)
 
     async def admit(self, choice: Choice) -> Decision:
         """The accounting's decision, as in the embedded mode: a budget `deny` refuses with 403, a full

@@ -1126,3 +1126,26 @@ async def test_a_named_server_beyond_the_teams_limit_is_refused_before_anything_
     spawners["first"].orm_spawner.server = None  # stopped
     hub.db.commit()
     spawners["second"].check_named_server()
+
+
+@pytest.mark.asyncio
+async def test_the_spawn_page_says_what_a_spawn_would_do_from_the_ledgers_decision(cluster, tmp_path, ledger):
+    hub = HubDB(spawner_config(policy_copy(tmp_path, queue_timeout=30, budgets={"nlp": 1}), cluster.url))
+    alice = hub.spawner("alice", ("vision",))
+    seen = (await alice.profile_availability()).profiles
+    assert seen["cpu"].action == "start" and seen["h200-quarter"].action == "start", seen
+    assert "Volcano starts it when the cluster has room" in seen["h200-quarter"].reason
+    # alice holds two cards, vision's quota per member: a GPU profile would wait, and the line says why.
+    ledger.open_interval("alice-held", "alice", "vision", "h200-whole-2", "H200", Fraction(2), periods.utcnow())
+    seen = (await alice.profile_availability()).profiles
+    assert seen["h200-quarter"].action == "wait" and seen["cpu"].action == "start", seen
+    assert seen["h200-quarter"].code == "quota-full", seen
+    # nlp has used its budget, which denies: refused, saying so.
+    used(ledger, "nlp", 2, user="nadia")
+    nadia = hub.spawner("nadia", ("nlp",))
+    seen = (await nadia.profile_availability()).profiles
+    assert seen["h200-quarter"].action == "refuse" and "budget" in seen["h200-quarter"].reason, seen
+    # The spawn page (the form JupyterHub renders) shows each profile's line.
+    form = await alice.get_options_form()
+    assert 'id="availability-h200-quarter" data-action="wait"' in form
+    assert 'id="availability-cpu" data-action="start"' in form
