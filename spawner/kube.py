@@ -551,6 +551,9 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         count_decision(code)
         return refusal(message, code)
 
+    #: z2jh's `hub.namedServerLimitPerUser` is one number for everyone: each user's teams' limit is counted here.
+    counts_named_servers = True
+
     async def profile_availability(self) -> Availability:
         """What a spawn of each profile the user may pick would do now, as far as gpupool decides it: the ledger's
         decision (quota and budget, the same `admission.decide` the door takes, nothing held); where it admits,

@@ -371,12 +371,17 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
                 session.delete(share)
             session.commit()
 
-    def check_named_server(self) -> None:
-        """A 403 for a named server beyond what the user's teams allow (`teams.TEAM.named_servers`).
+    #: Whether the spawner itself counts a user's named servers against their teams' limit: where the hub's own
+    #: `named_server_limit_per_user` cannot say it per user (the Kubernetes mode's one static number); the embedded
+    #: hub's limit is the teams' already, per user, and JupyterHub's own counting stays the contract there.
+    counts_named_servers = False
 
-        JupyterHub counts named servers against `named_server_limit_per_user`, but reads 0 as "no limit", and in
-        the Kubernetes mode that limit is one static number for everyone (the largest of the teams'): the limit
-        of the user's own teams is enforced here, before anything starts.
+    def check_named_server(self) -> None:
+        """A 403 for a named server of a user whose teams allow none (`named_servers: 0`), and, where the spawner
+        counts them (`counts_named_servers`), for one beyond what the user's teams allow.
+
+        JupyterHub counts named servers against `named_server_limit_per_user` but reads 0 as "no limit", so the
+        teams' 0 is enforced here, before anything starts.
         """
         teams = self.user_teams()
         if not self.name or not teams:
@@ -387,6 +392,8 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
                 403, f"{self.user.name}'s teams ({', '.join(teams)}) allow no named servers "
                      f"(teams.TEAM.named_servers is 0): start the default server instead"
             )
+        if not self.counts_named_servers:
+            return
         others = sorted(name for name, spawner in (getattr(self.user, "spawners", None) or {}).items()
                         if name and name != self.name and (spawner.active or spawner.ready))
         if len(others) >= limit:
