@@ -162,7 +162,10 @@ def idle_figures(engine: sa.Engine, period: str, now: datetime | None = None) ->
     and GPU-hours reclaimed
     (`RECLAIM_CAP`: each cull's share until its user started a server of that team again, capped)."""
     start, end = periods.period_bounds(period)
-    end = min(end, now or periods.utcnow())
+    moment = now or periods.utcnow()
+    if moment < end:
+        # Up to now, and the ledger keeps whole seconds: a cull of this very second is in (its second < now's + 1).
+        end = moment + timedelta(seconds=1)
     idle: dict[tuple[str, str], Fraction] = {}
     with engine.connect() as connection:
         for row in connection.execute(sa.select(IDLE_TIME).where(IDLE_TIME.c.period == period)):

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpupool.hub.accounting.culls import IdleStore
+from gpupool.hub.accounting.culls import IdleStore, idle_figures
 from gpupool.hub.accounting.idleness import Action, IdleRecord, KeepRefused, Signals, decide, keep
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
 from gpupool.policies.model import Idle
@@ -186,6 +186,9 @@ def test_a_culled_run_ends_culled_and_a_users_own_stop_stays_stopped(ledger):
     how = {i.run: i.how for i in ledger.intervals_overlapping(T0, T0 + minutes(120))}
     assert how == {"run-a": HowEnded.CULLED, "run-b": HowEnded.STOPPED}
     assert store.running("alice") == []  # both ended
+    # The report counts the cull, also when asked within the second it was made (the ledger keeps whole seconds).
+    figures = idle_figures(ledger.engine, "2026-12", now=T0 + minutes(60) + timedelta(microseconds=300))
+    assert figures["vision"].culled == 1
 
 
 def test_a_keep_granted_during_a_look_is_not_undone_by_it(ledger):
