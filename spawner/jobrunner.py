@@ -171,6 +171,7 @@ def launch(spawner: LocalGPUSpawner, started: Launch, state_dir: str) -> tuple[s
     become = spawner.make_preexec_fn(job.user)
 
     def preexec():
+        hear_signals()
         become()
         os.chdir(workdir)  # as the user: a folder they cannot enter fails the run
 
@@ -197,6 +198,13 @@ def read_exit_status(path: Path) -> int | None:
         return int(path.read_text().strip())
     except (OSError, ValueError):
         return None
+
+
+def hear_signals() -> None:
+    """In a run's process before it execs: no signal blocked. A run must hear SIGTERM (preemption, suspend, cancel),
+    a signal mask is inherited across exec, and the worker thread that starts the run may have signals blocked: a
+    blocked SIGTERM waits, unheard, until the SIGKILL at the end of the grace period."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
 
 
 def _signal_group(pid: int, signum: int) -> None:

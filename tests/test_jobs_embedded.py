@@ -444,3 +444,26 @@ def test_a_job_runs_as_its_user_with_a_servers_environment_and_a_private_checkpo
         hub.kill()
         _kill_leftovers(hub)
         subprocess.run(["userdel", "--remove", "gp-jobuser"], capture_output=True, check=False)
+
+
+def test_a_run_hears_sigterm_even_when_the_thread_starting_it_blocks_signals():
+    # The job runner starts runs from a worker thread; a signal mask is inherited across exec, so a run started
+    # from a thread with SIGTERM blocked would never hear it (it waits for the SIGKILL). Its processes unblock.
+    import signal
+    import threading
+
+    from gpupool.spawner.jobrunner import hear_signals
+
+    show = [sys.executable, "-c", "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('SigBlk')))"]
+    masks = {}
+
+    def start(name, preexec):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        masks[name] = subprocess.run(show, capture_output=True, text=True, preexec_fn=preexec, check=True).stdout.strip()
+
+    for name, preexec in (("as inherited", None), ("hear_signals", hear_signals)):
+        thread = threading.Thread(target=start, args=(name, preexec))
+        thread.start()
+        thread.join()
+    assert int(masks["as inherited"], 16) & (1 << (signal.SIGTERM - 1))  # the mechanism: the mask goes across exec
+    assert int(masks["hear_signals"], 16) == 0, masks
