@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from gpupool.hub import __version__
-from gpupool.images import IMAGES_DIR, image_names
-from gpupool.spawner.images import BASE_IMAGE, STAMP, default_images_dir, image_stamp
+from gpupool.images import BASE_IMAGE, IMAGES_DIR, image_names
+from gpupool.spawner.images import STAMP, default_images_dir, image_stamp
 
 #: The servers' start-up files every environment servers run from gets (as `make install` gives the servers'
 #: environment): users' packages after the platform's, JupyterLab's settings, the idle culler's extensions.
@@ -147,11 +147,17 @@ def build(name: str, images_dir: str | os.PathLike, wheel: Path | None = None, p
         os.chmod(temporary, 0o644)
         os.replace(temporary, prefix / STAMP)
     # the link changes in one rename: a server starting now gets the old environment or the new one, whole
+    previous = Path(os.path.realpath(link)) if link.is_symlink() else None
     pending = images_dir / f".{name}.link"
     pending.unlink(missing_ok=True)
     pending.symlink_to(prefix.name)
     os.replace(pending, link)
     print(f"{name}: ready ({link} -> {prefix.name})", flush=True)
+    # The one it replaces stays for the servers and jobs that started from it; older ones go.
+    for old in images_dir.glob(f"{name}-*"):
+        if old.is_dir() and old.resolve() not in (prefix.resolve(), previous):
+            print(f"{name}: removing the older environment {old.name}", flush=True)
+            shutil.rmtree(old, ignore_errors=True)
     return prefix
 
 

@@ -86,7 +86,7 @@ def submit(args: argparse.Namespace) -> int:
         raise JobsError("no command: gpupool jobs submit --profile P -- python train.py")
     body = {"profile": args.profile, "command": command, "env": _env_pairs(args.env or []),
             "workdir": os.path.abspath(args.workdir or os.getcwd())}
-    for name in ("team", "max_restarts", "priority", "checkpoint_dir"):
+    for name in ("team", "max_restarts", "priority", "checkpoint_dir", "image"):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
     if args.checkpoint_dir:
@@ -182,6 +182,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common(sub)
     sub.add_argument("--profile", required=True, help="a profile your team may use (as on the spawn page)")
     sub.add_argument("--team", help="the team it runs for (default: your team the profile is offered to)")
+    sub.add_argument("--image", help="one of the profile's images, as on the spawn page (default: its default)")
     sub.add_argument("--max-restarts", type=int, help="failed runs restarted (default: the policy's)")
     sub.add_argument("--priority", choices=["low", "normal", "high"], help="within what your team may use")
     sub.add_argument("--preemptible", action="store_true", help="higher-priority work may preempt it")

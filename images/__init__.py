@@ -11,6 +11,8 @@ from pathlib import Path
 #: The folder of the images' lock files and the templates, wherever gpupool is installed.
 IMAGES_DIR = Path(__file__).resolve().parent
 TEMPLATES_DIR = IMAGES_DIR / "templates"
+#: The image whose environment, in the embedded mode, is the servers' environment itself (`make install`).
+BASE_IMAGE = "base"
 
 
 def image_names() -> list[str]:

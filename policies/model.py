@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from gpupool.images import BASE_IMAGE, image_names
+
 # --- scalar types -------------------------------------------------------------------------------
 
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -252,7 +254,18 @@ class Image(Strict):
 
     display_name: str = Field(description="What users see.")
     image: str = Field(description="Container image (kubernetes mode); ignored by the embedded mode.")
+    environment: str = Field(
+        BASE_IMAGE, description="The gpupool image (`images/NAME`: `gpupool images list`) whose Python environment "
+        "the embedded mode runs this choice's servers and jobs from, built on the machine from the same lock file "
+        "as the container image (`gpupool images build NAME`); `base` is the servers' environment.")
     default: bool = Field(False, description="Preselected (at most one per profile).")
+
+    @field_validator("environment")
+    @classmethod
+    def _known_environment(cls, name: str) -> str:
+        if name not in image_names():
+            raise ValueError(f"no gpupool image {name!r}: the images are {', '.join(image_names())}")
+        return name
 
 
 class Resources(Strict):

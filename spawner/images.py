@@ -13,13 +13,13 @@ import json
 import os
 from pathlib import Path
 
+from gpupool.images import BASE_IMAGE
+
 #: The root install's images, beside its servers' environment (/opt/gpupool/env).
 ROOT_IMAGES_DIR = Path("/opt/gpupool/images")
 IMAGES_DIR_ENV = "GPUPOOL_IMAGES_DIR"
 #: Written last into a complete environment: what it was built from.
 STAMP = ".gpupool-image.json"
-#: The image whose environment is the servers' environment.
-BASE_IMAGE = "base"
 
 
 def default_images_dir() -> str:

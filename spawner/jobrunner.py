@@ -141,7 +141,7 @@ def launch(spawner: LocalGPUSpawner, started: Launch, state_dir: str) -> tuple[s
     for team in teams:
         ensure_team_folder(Path(spawner.team_root), team, spawner.run_as == "user")
     env = spawner.user_env({})
-    env.update(server_env_paths(spawner.server_env, env.get("HOME", ""), os.environ.get("PATH", ""),
+    env.update(server_env_paths(spawner.choice_environment(choice), env.get("HOME", ""), os.environ.get("PATH", ""),
                                 spawner.run_as))
     env.update({k: v for k, v in spawner.environment.items() if isinstance(v, str)})
     env.update({"JUPYTERHUB_USER": job.user, "JUPYTERHUB_API_URL": started.hub_api_url})
@@ -321,7 +321,9 @@ class JobRunner:
 
     async def _launch(self, job: Job, run: Run, allocation: Allocation | None, queue_wait) -> None:
         spawner = await self.spawner_of(job)
-        spawner.gpupool_choice = Choice(job.profile, copy.deepcopy(spawner.policy.profiles[job.profile]), job.team, None)
+        profile = copy.deepcopy(spawner.policy.profiles[job.profile])
+        image = job.image if job.image in profile.images else None  # a choice the policy since took away: base
+        spawner.gpupool_choice = Choice(job.profile, profile, job.team, image)
         token = await self.token_of(job, run.attempt)
         job = await asyncio.to_thread(self.store.get, job.id) or job
         started = Launch(job, run.attempt, job.restarts, allocation, token, self.hub_api_url)

@@ -36,6 +36,7 @@ from gpupool.spawner.accounts import (
     DEFAULT_RECORD, Account, IdentityConflict, ensure_account, is_shared_with_group, share_with_group,
 )
 from gpupool.spawner.datasets import ServerDatasets
+from gpupool.spawner.images import default_images_dir, image_prefix
 from gpupool.spawner.mixin import Availability, GPUPoolSpawnerMixin, ProfileAvailability, refusal
 from gpupool.spawner.pool import (
     AllocationStore, Decide, Hold, LocalPool, Refused, Request, Verdict, discover_cards, process_alive,
@@ -344,9 +345,36 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
     def _default_server_env(self):
         return default_server_env()
 
+    images_dir = Unicode(
+        help="""
+        Where the images' environments are (`gpupool images build NAME` puts them there): a server or job whose
+        image choice names `environment: finetune` runs from `IMAGES_DIR/finetune` instead of `server_env`.
+        Default: `$GPUPOOL_IMAGES_DIR`, else `/opt/gpupool/images` when the hub runs as root, else
+        `~/.local/share/gpupool/images`.
+        """,
+    ).tag(config=True)
+
+    @default("images_dir")
+    def _default_images_dir(self):
+        return default_images_dir()
+
     @default("cmd")
     def _default_cmd(self):
         return [str(Path(self.server_env) / "bin" / "jupyterhub-singleuser")]
+
+    def choice_environment(self, choice: Choice | None = None) -> str:
+        """The environment a server or job of `choice` runs from: its image's, else `server_env`; an HTTP 409
+        naming the command that builds it when the image's environment is not on this machine."""
+        choice = choice or self.gpupool_choice
+        if choice is None or choice.image is None:
+            return self.server_env
+        name = choice.profile.images[choice.image].environment
+        prefix = image_prefix(self.images_dir, name, self.server_env)
+        if prefix is None:
+            raise web.HTTPError(409, f"The image {choice.profile.images[choice.image].display_name!r} is not "
+                                     f"installed on this machine yet: an administrator runs `gpupool images build "
+                                     f"{name}` (or `make images IMAGES={name}`)")
+        return prefix
 
     run_as = Unicode(
         help="""
@@ -424,6 +452,9 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     allocation_key: str | None = None
     allocation_cards: tuple[str, ...] = ()
+    #: The environment this spawn's server runs from (`choice_environment`), and the command start() made of it.
+    run_env: str | None = None
+    _image_cmd: list[str] | None = None
     pid_started: float | None = None
 
     @property
@@ -516,7 +547,8 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     def get_env(self):
         env = super().get_env()
-        env.update(server_env_paths(self.server_env, env.get("HOME", ""), env.get("PATH", ""), self.run_as))
+        env.update(server_env_paths(self.run_env or self.server_env, env.get("HOME", ""), env.get("PATH", ""),
+                                    self.run_as))
         choice = self.gpupool_choice
         if choice is None:
             return env
@@ -598,6 +630,9 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
 
     async def start(self):
         choice = self.ensure_choice()
+        self.run_env = self.choice_environment(choice)
+        if self.cmd in (self._default_cmd(), self._image_cmd):  # its environment's server, unless configured
+            self._image_cmd = self.cmd = [str(Path(self.run_env) / "bin" / "jupyterhub-singleuser")]
         teams = self.user_teams()
         if self.run_as == "user":
             try:

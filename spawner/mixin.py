@@ -53,6 +53,8 @@ def choice_env(choice: Choice, policy: Policy) -> dict[str, str]:
     env["GPUPOOL_SHARE"] = str(profile_share(choice.profile, policy))
     if choice.profile.gpu is not None:
         env["GPUPOOL_GPU_MODEL"] = choice.profile.gpu.model
+    if choice.image is not None:
+        env["GPUPOOL_IMAGE"] = choice.image
     return env
 
 

@@ -178,7 +178,7 @@ MANIFESTS = {
                         "volcano.sh/preemptable": "false", "gpupool.io/share": "1/4"},
         "labels": {"gpupool.io/team": "vision", "gpupool.io/profile": "h200-quarter", "gpupool.io/gpu-model": "H200"},
         "env": {"GPUPOOL_TEAM": "vision", "GPUPOOL_PROFILE": "h200-quarter", "GPUPOOL_SHARE": "1/4",
-                "GPUPOOL_GPU_MODEL": "H200"},
+                "GPUPOOL_GPU_MODEL": "H200", "GPUPOOL_IMAGE": "tensorflow"},
     },
     # MIG, mixed strategy: one resource per MIG profile, the model chosen by GPU feature discovery's label.
     ("alice", "vision", "h200-mig-1g", None): {

@@ -22,13 +22,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: Folder → import name (setup.cfg's package_dir).
 PACKAGES = {"policies": "gpupool.policies", "hub": "gpupool.hub", "spawner": "gpupool.spawner",
-            "mlflow": "gpupool.mlflow", "train": "gpupool.train"}
+            "mlflow": "gpupool.mlflow", "train": "gpupool.train", "images": "gpupool.images"}
 
 #: Layer of each module, by the longest matching module prefix; a module may import its own layer and lower.
 #: `hub` and `mlflow` are the top layer side by side.
 LAYERS = {
     # The checkpoint helper runs inside users' jobs and notebooks: it needs no other part of gpupool.
     "gpupool.train": -1,
+    # The images' lock files and the fine-tuning templates (data; the templates run in users' jobs, on train).
+    "gpupool.images": -1,
     "gpupool.policies": 0,
     "gpupool.hub.accounting": 1,
     "gpupool.spawner": 2,
@@ -40,7 +42,7 @@ LAYERS = {
     # So is the jobs service (its pages and API over the jobs table, the pages' frame of the accounting service).
     "gpupool.hub.accounting.jobs_service": 3,
 }
-LAYER_NAMES = {-1: "train", 0: "policies", 1: "hub/accounting", 2: "spawner", 3: "hub/mlflow"}
+LAYER_NAMES = {-1: "train/images", 0: "policies", 1: "hub/accounting", 2: "spawner", 3: "hub/mlflow"}
 
 
 @dataclass(frozen=True)

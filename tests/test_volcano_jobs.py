@@ -164,6 +164,7 @@ def test_a_hami_job_with_checkpoints_renders_as_this_volcano_job(examples):
                                 {"name": "GPUPOOL_PROFILE", "value": "h200-quarter"},
                                 {"name": "GPUPOOL_SHARE", "value": "1/4"},
                                 {"name": "GPUPOOL_GPU_MODEL", "value": "H200"},
+                                {"name": "GPUPOOL_IMAGE", "value": "pytorch"},
                                 {"name": "GPUPOOL_CHECKPOINT_DIR", "value": "/checkpoints"},
                                 {"name": "GPUPOOL_VOLCANO_RETRY_COUNT", "valueFrom": {"fieldRef": {
                                     "fieldPath": "metadata.annotations['volcano.sh/job-retry-count']"}}},
@@ -380,7 +381,7 @@ def test_a_job_of_the_ledger_becomes_its_spec_with_the_policys_grace_and_claim(e
     job = Job(id=JOB_ID, user="nora", team="nlp", profile="a100-mig-3g", priority="normal", preemptible=True,
               command=("python", "-m", "train"), env={"LR": "0.1"}, workdir="/home/jovyan", checkpoint_dir=None,
               max_restarts=2, state="queued", reason="in queue", restarts=0, runs=0, exit_code=None,
-              cancel_requested=False, suspend_requested=False, submitted_at=at, queued_at=at, not_before=None, ended_at=None)
+              cancel_requested=False, suspend_requested=False, image=None, submitted_at=at, queued_at=at, not_before=None, ended_at=None)
     policy = examples.model_copy(update={"jobs": examples.jobs.model_copy(update={"grace_seconds": 90,
                                                                                    "checkpoint_claim": "ckpt"})})
     assert JobSpec.from_job(job, policy, deprioritized=False) == JobSpec(

@@ -259,6 +259,7 @@ class Checkpoints:
             shutil.rmtree(work, ignore_errors=True)
             raise
         self._prune()
+        hold_if_drilled(step)
         return Checkpoint(step, final, files, json.loads(extra), saved_at)
 
     def _work_folder(self, kind: str, step: int) -> Path:
@@ -312,3 +313,21 @@ def should_stop() -> bool:
 def request_stop() -> None:
     """Ask the loop to stop, as SIGTERM does (for your own signals or a time limit)."""
     _stop.set()
+
+
+# --- resume drills ---------------------------------------------------------------------------------------
+
+#: `RESUME_DRILL_AFTER_CHECKPOINT=N` (not GPUPOOL_: those are the platform's): once checkpoint N is committed, the process says so and waits there to
+#: be killed, so that a resume can be drilled at a known point (kill it, watch the job come back from N).
+HOLD_ENV = "RESUME_DRILL_AFTER_CHECKPOINT"
+
+
+def hold_if_drilled(step: int) -> None:
+    """Wait here, forever, when the drill variable names `step` (see `HOLD_ENV`); otherwise return at once.
+    A resumed run goes on from `step` and never commits it again, so it does not hold."""
+    if os.environ.get(HOLD_ENV, "").strip() != str(step):
+        return
+    print(f"gpupool.train: checkpoint {step} committed; holding here for a resume drill ({HOLD_ENV}): "
+          f"kill process {os.getpid()}", flush=True)
+    while True:
+        time.sleep(3600)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from gpupool.train.checkpoints import commit, install_sigterm_handler, read_commit, should_stop
+from gpupool.train.checkpoints import commit, hold_if_drilled, install_sigterm_handler, read_commit, should_stop
 
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)")
 
@@ -41,6 +41,7 @@ class CommitCheckpoints(TrainerCallback):
             folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             if folder.is_dir():
                 commit(folder, state.global_step, {"epoch": state.epoch})
+                hold_if_drilled(state.global_step)
         return control
 
 

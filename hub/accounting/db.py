@@ -180,6 +180,8 @@ class Job(Base):
     env: Mapped[str] = mapped_column(sa.Text)
     workdir: Mapped[str | None] = mapped_column(sa.Text)
     checkpoint_dir: Mapped[str | None] = mapped_column(sa.Text)
+    #: The profile's image choice it runs in (None: the profile offers none); migration 0010.
+    image: Mapped[str | None] = mapped_column(sa.String(63))
     max_restarts: Mapped[int] = mapped_column(sa.Integer)
     state: Mapped[str] = mapped_column(sa.String(16))
     #: Why it is in its state, in words (the queue's reason, the restart's cause, the failure).

