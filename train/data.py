@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +67,8 @@ def dataset_source(spec: Mapping[str, object], base: str | os.PathLike, workdir:
     tag = f"{name}@{version}"
     target = Path(workdir) / "data" / tag
     if not target.exists():
-        dvc = shutil.which("dvc")
+        beside = Path(sys.executable).parent / "dvc"  # this environment's, when its bin is not on PATH
+        dvc = shutil.which("dvc") or (str(beside) if beside.exists() else None)
         if dvc is None:
             raise DatasetUnavailable("the dvc command is not on PATH (gpupool's images and servers have it)")
         partial = target.with_name(f".{tag}.partial")

