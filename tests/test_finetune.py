@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ import pytest
 import requests
 import yaml
 
-from gpupool.hub.harness import Hub, platform_command
+from gpupool.hub.harness import Browser, Hub, platform_command
 from gpupool.spawner.images import default_images_dir, image_stamp
 
 POLICY = {
@@ -54,6 +55,10 @@ profiles:
     "jobs.yaml": "jobs:\n  grace_seconds: 60\n  restarts: {max_restarts: 2, backoff_seconds: 1, max_backoff_seconds: 2}\n",
 }
 ENDED = ("succeeded", "failed", "cancelled")
+PASSWORD = "a-test-password"
+# JupyterHub's own DummyAuthenticator for the browser's login (as in tests/test_mlflow_service.py).
+BROWSER_LOGIN = f'c.JupyterHub.authenticator_class = "dummy"\nc.DummyAuthenticator.password = {PASSWORD!r}\n'
+SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
 GPUPOOL = str(platform_command(None))
 
 
@@ -68,7 +73,7 @@ def finetune_environment() -> str:
 def hub(tmp_path_factory):
     finetune_environment()
     tmp = tmp_path_factory.mktemp("finetune")
-    hub = Hub(tmp, POLICY, 'c.LocalGPUSpawner.run_as = "self"')
+    hub = Hub(tmp, POLICY, 'c.LocalGPUSpawner.run_as = "self"\n' + BROWSER_LOGIN)
     hub.start()
     hub.wait_service("jobs", "health")
     hub.wait_service("mlflow", "health")
@@ -271,3 +276,42 @@ def test_classifier_finetune_as_a_job_resumes_exactly_and_registers_its_model(hu
         run = client.get_run(version.run_id)
         assert sorted({m.step for m in client.get_metric_history(run.info.run_id, "loss")}) == list(range(1, 13))
         assert Decimal(version.tags["gpupool.cost"]) > 0 and run.data.params["dataset.file"] == "data/reviews.jsonl"
+
+
+def test_the_first_fine_tune_as_a_person_sees_it_in_a_browser(hub, tmp_path):
+    """The spawn page's image picker, the Jobs page with the fine-tunes, the registered model in MLflow: the
+    screenshots of docs/finetune.md, made by this run."""
+    chromium, driver = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
+    if not chromium or not driver:
+        pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver)")
+    browser = Browser(chromium, driver)
+    try:
+        browser.get(f"{hub.url}/hub/login")
+        browser.fill({"username_input": "alice", "password_input": PASSWORD})
+        browser.click("#login_submit")
+        browser.wait(lambda d: "/hub/login" not in d.current_url, 120, "alice could not log in")
+        browser.start_recording()
+        browser.get(f"{hub.url}/hub/spawn")
+        text = browser.wait_for_text("Fine-tuning (PyTorch, transformers, PEFT)")
+        assert "1 × H200" in text and "CPU only" in text, text
+        browser.wait_page_loaded()
+        assert not browser.failed_requests() and not browser.console_errors()
+        browser.screenshot_whole_page(SCREENSHOTS / "spawn-images.png")
+
+        browser.start_recording()
+        browser.get(f"{hub.url}/services/jobs/")
+        text = browser.wait_for_text("python train.py")
+        assert text.count("succeeded") >= 2, text
+        browser.wait_page_loaded()
+        assert not browser.failed_requests() and not browser.console_errors()
+        browser.screenshot_whole_page(SCREENSHOTS / "jobs-finetune.png")
+
+        browser.start_recording()
+        browser.get(f"{hub.url}/services/mlflow/#/models/vision-sft-drill/versions/1")
+        text = browser.wait_for_text("gpupool.cost", 300)
+        assert "gpupool.gpu_hours" in text, text
+        browser.wait_page_loaded()
+        browser.screenshot_whole_page(SCREENSHOTS / "mlflow-finetuned-model.png")
+    finally:
+        browser.screenshot(tmp_path / "last.png")
+        browser.quit()

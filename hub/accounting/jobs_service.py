@@ -207,13 +207,17 @@ class PageHandler(JobsHandler):
             detail = self.detail(job, tail=False)
             rows.append({**detail, "cost": money(Decimal(detail["cost"]), policy.billing.currency),
                          "submitted": detail["submitted_at"][:16].replace("T", " "),
-                         "href": f"jobs/{job.id}", "profile_name": self._profile_name(job.profile)})
+                         "href": f"jobs/{job.id}", "profile_name": self._profile_name(job)})
         self.render_jobs("jobs.html", "Training jobs", jobs=rows, teams=sorted(viewer.teams),
                          profiles=sorted(policy.profiles_for_teams(set(viewer.teams))))
 
-    def _profile_name(self, slug: str) -> str:
-        profile = self.policy.profiles.get(slug)
-        return profile.display_name if profile is not None else slug
+    def _profile_name(self, job: Job) -> str:
+        """The profile as the spawn page names it, and the image it runs in where the profile offers images."""
+        profile = self.policy.profiles.get(job.profile)
+        if profile is None:
+            return job.profile
+        image = profile.images.get(job.image) if job.image else None
+        return f"{profile.display_name} · {image.display_name}" if image else profile.display_name
 
     def render_jobs(self, template: str, title: str, **values) -> None:
         self.set_header("Content-Type", "text/html; charset=utf-8")
@@ -228,7 +232,7 @@ class JobPageHandler(PageHandler):
         job = self.job_or_404(job_id)
         detail = self.detail(job)
         detail["cost"] = money(Decimal(detail["cost"]), self.policy.billing.currency)
-        self.render_jobs("job.html", f"Job {job.id}", job=detail, profile_name=self._profile_name(job.profile))
+        self.render_jobs("job.html", f"Job {job.id}", job=detail, profile_name=self._profile_name(job))
 
 
 SUBMISSION = JobSubmission.model_json_schema()
