@@ -98,3 +98,28 @@ def test_the_culler_sees_a_cuda_loop_busy_and_a_sleeping_context_idle():
         for process in processes.values():
             process.kill()
             process.wait()
+
+
+def test_lora_sft_on_a_quarter_card_trains_in_bf16_on_the_gpu(tmp_path):
+    """The lora-sft template on the GPU, as a quarter share: it says what it chose (bf16 where the card has it,
+    the micro-batch for a quarter of the card's memory) and registers its adapter, logits checked."""
+    import sys
+
+    import torch
+    import yaml
+
+    from gpupool.images import TEMPLATES_DIR
+
+    folder = tmp_path / "sft"
+    shutil.copytree(TEMPLATES_DIR / "lora-sft", folder)
+    config = yaml.safe_load((folder / "config.yaml").read_text())
+    config["train"].update(steps=6, checkpoint_every=3)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    env = {**os.environ, "GPUPOOL_SHARE": "1/4", "GPUPOOL_GPU_MODEL": "GPU", "GPUPOOL_TEAM": "vision",
+           "HF_HUB_OFFLINE": "1", "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}
+    done = subprocess.run([sys.executable, "train.py"], cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    assert "gpupool: on 1/4 × GPU (" in done.stdout and f"): {precision}, batch 8" in done.stdout, done.stdout
+    assert "the registered adapter gives the trained model's logits" in done.stdout
