@@ -315,3 +315,51 @@ def test_the_first_fine_tune_as_a_person_sees_it_in_a_browser(hub, tmp_path):
     finally:
         browser.screenshot(tmp_path / "last.png")
         browser.quit()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="servers and jobs run as their users' own accounts only when the hub "
+                    "runs as root (CI runs the tests as root)")
+def test_a_fine_tune_runs_as_its_user_from_the_images_environment():
+    """The root platform's path: the job runs as the user's own account (never root) from the finetune image's
+    environment, which every user reads and none writes, and registers its model in the team's MLflow."""
+    import pwd
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix="gpupool-finetune-"))  # not pytest's root-private folder: the user enters it
+    os.chmod(tmp, 0o755)
+    hub = Hub(tmp, POLICY)
+    hub.start()
+    try:
+        hub.wait_service("jobs", "health")
+        hub.wait_service("mlflow", "health")
+        hub.add_user("ftuser", "vision")
+        token = hub.user_token("ftuser")
+        env = person_env(hub, token)
+        gpupool(env, "templates", "new", "classifier-finetune", str(tmp / "classifier"), cwd=tmp)
+        folder = tmp / "classifier"
+        config = yaml.safe_load((folder / "config.yaml").read_text())
+        config["train"].update(steps=6, checkpoint_every=3, batch_size=8)
+        (folder / "config.yaml").write_text(yaml.safe_dump(config))
+        subprocess.run(["chmod", "-R", "a+rX", str(folder)], check=True)
+        submitted = gpupool(env, "jobs", "submit", "--profile", "cpu", "--image", "finetune", "--json", "--",
+                            "sh", "-c", "id -un; command -v python; python train.py", cwd=folder)
+        job = json.loads(submitted.stdout)
+        done = wait_job(hub, token, job["id"], lambda j: j["state"] in ENDED, "to its end")
+        log = job_api(hub, token, job["id"], "/log").text
+        assert done["state"] == "succeeded", log[-4000:]
+        lines = log.splitlines()
+        user, python = lines[lines.index("gp-ftuser")], lines[lines.index("gp-ftuser") + 1]  # after the run's header
+        assert pwd.getpwnam(user).pw_uid != 0
+        assert python == f"{finetune_environment()}/bin/python", python  # the build it started on, kept
+        assert "gpupool: registered vision-review-classifier version 1" in log, log[-3000:]
+        # The image's environment is not the user's to change.
+        probe = subprocess.run(["runuser", "-u", "gp-ftuser", "--", "touch",
+                                str(Path(finetune_environment()) / "bin" / "planted")], capture_output=True, text=True,
+                               check=False)
+        assert probe.returncode != 0 and "Permission denied" in probe.stderr
+    finally:
+        hub.kill()
+        for process in psutil.process_iter(["cmdline", "cwd"]):
+            if str(tmp) in " ".join(process.info["cmdline"] or []) or str(tmp) in (process.info["cwd"] or ""):
+                process.kill()
+        subprocess.run(["userdel", "--remove", "gp-ftuser"], capture_output=True, check=False)
