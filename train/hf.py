@@ -64,7 +64,12 @@ def last_committed_checkpoint(output_dir: str | Path) -> str | None:
 
 class LogToMLflow(TrainerCallback):
     """Every log of the Trainer (loss, learning rate, grad norm) as MLflow metrics at its global step, in the
-    active run (`gpupool.train.tracking.resumable_run`): a resumed job's history goes on where it was."""
+    active run (`gpupool.train.tracking.resumable_run`): a resumed job's history goes on where it was.
+
+    Logged asynchronously (MLflow's own queue), so a training step never waits for the tracking server; the
+    queue is flushed at every checkpoint (put it before `CommitCheckpoints` in the callbacks, so the flush
+    comes before the commit), so a resumed run's history has every step up to its checkpoint, and when the run
+    ends."""
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
@@ -73,5 +78,12 @@ class LogToMLflow(TrainerCallback):
             metrics = {key: float(value) for key, value in logs.items()
                        if isinstance(value, (int, float)) and not isinstance(value, bool)}
             if metrics:
-                mlflow.log_metrics(metrics, step=state.global_step)
+                mlflow.log_metrics(metrics, step=state.global_step, synchronous=False)
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            import mlflow
+
+            mlflow.flush_async_logging()
         return control

@@ -24,6 +24,7 @@ import torch
 import yaml
 from transformers import AutoModelForSequenceClassification
 
+from gpupool.train import should_stop
 from gpupool.train.data import dataset_source, read_jsonl
 from gpupool.train.fit import choose
 from gpupool.train.models import load_model
@@ -113,7 +114,9 @@ def main(argv: list[str] | None = None) -> int:
                 scheduler.step()
                 optimizer.zero_grad()
                 step, done_in_epoch = step + 1, done_in_epoch + 1
-                mlflow.log_metric("loss", loss_total, step=step)
+                mlflow.log_metric("loss", loss_total, step=step, synchronous=False)  # never waits for the server
+                if step % checkpoints.every == 0 or should_stop():
+                    mlflow.flush_async_logging()  # the history has every step its checkpoint has
                 if checkpoints.step_done(step, position={"epoch": epoch, "batch": done_in_epoch}):
                     print(f"gpupool: stopped at step {step} (asked to stop; saved)", flush=True)
                     return 128 + signal.SIGTERM

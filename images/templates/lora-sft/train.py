@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             logging_steps=1, save_steps=int(train["checkpoint_every"]), save_total_limit=2,
             seed=int(train.get("seed", 0)), report_to="none", disable_tqdm=True, remove_unused_columns=False),
         train_dataset=rows, data_collator=collate(tokenizer.pad_token_id),
-        callbacks=[CommitCheckpoints(), LogToMLflow()])
+        callbacks=[LogToMLflow(), CommitCheckpoints()])  # the metrics flushed before each checkpoint commits
 
     with resumable_run(output, run_name=config["register"]["name"]) as run:
         mlflow.log_params({"model": config["model"], "model.source": source.describe()[:500],
