@@ -565,12 +565,8 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         policy, ledger, at = self.policy, self.ledger, periods.utcnow()
         holdings, usage = await asyncio.gather(asyncio.to_thread(ledger.holdings),
                                                asyncio.to_thread(ledger.usage, periods.period_of(at), at))
-        seen: dict[str, ProfileAvailability] = {}
-        for slug, profile in self.available_profiles().items():
-            if profile.gpu is None:
-                seen[slug] = ProfileAvailability("start", "no GPU: it never queues")
-                continue
-            team = next(t for t in teams if t in profile.teams)
+        seen, candidates = self.availability_candidates(teams)
+        for slug, _profile, team in candidates:
             decision = decide(policy, AdmissionRequest(user=self.user.name, team=team, at=at, profile=slug),
                               holdings, usage)
             if decision.action == "deny":

@@ -608,12 +608,8 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             return Availability()
         policy = self.policy
         requests: dict[str, Request] = {}
-        seen: dict[str, ProfileAvailability] = {}
-        for slug, profile in self.available_profiles().items():
-            if profile.gpu is None:
-                seen[slug] = ProfileAvailability("start", "no GPU: it never queues")
-                continue
-            team = next(t for t in teams if t in profile.teams)
+        seen, candidates = self.availability_candidates(teams)
+        for slug, profile, team in candidates:
             requests[slug] = Request(
                 key=f"{self.pool_key}#availability-{slug}", user=self.user.name, team=team, profile=slug,
                 display_name=profile.display_name, model=profile.gpu.model, share=profile_share(profile, policy),

@@ -233,6 +233,19 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
     def available_profiles(self) -> dict[str, Profile]:
         return self.policy.profiles_for_teams(set(self.user_teams()))
 
+    def availability_candidates(self, teams: list[str]) -> tuple[dict[str, ProfileAvailability],
+                                                                 list[tuple[str, Profile, str]]]:
+        """What both modes' `profile_availability` start from: CPU-only profiles start (they never queue), and
+        each GPU profile the user may pick, with the first of the user's teams it is offered to."""
+        seen: dict[str, ProfileAvailability] = {}
+        gpu: list[tuple[str, Profile, str]] = []
+        for slug, profile in self.available_profiles().items():
+            if profile.gpu is None:
+                seen[slug] = ProfileAvailability("start", "no GPU: it never queues")
+            else:
+                gpu.append((slug, profile, next(t for t in teams if t in profile.teams)))
+        return seen, gpu
+
     # --- the form -------------------------------------------------------------------------------------
 
     @default("options_form")

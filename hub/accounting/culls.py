@@ -40,10 +40,6 @@ class IdleServer:
     cull_requested_at: datetime | None
     cull_reason: str
 
-    @property
-    def label(self) -> str:
-        return f"server {self.server!r}" if self.server else "your default server"
-
 
 def _row(row: sa.Row) -> IdleServer:
     return IdleServer(
