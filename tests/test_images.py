@@ -166,3 +166,24 @@ def test_templates_are_listed_copied_and_never_copied_over_a_folder_of_yours(tmp
     unknown = subprocess.run([GPUPOOL, "templates", "new", "nope"], cwd=tmp_path, capture_output=True, text=True,
                              check=False)
     assert unknown.returncode == 2 and "no template 'nope'" in unknown.stderr and not (tmp_path / "nope").exists()
+
+
+@pytest.mark.parametrize("name", ["base", "pytorch"])
+def test_each_lock_installs_into_a_clean_environment(name, tmp_path):
+    """The locks the embedded mode does not build by default install on their own, hashes checked (uv's cache,
+    warm from the finetune build, holds every wheel: each lock is a subset of finetune's, pinned the same)."""
+    from uv import find_uv_bin
+
+    uv = find_uv_bin()
+    prefix = tmp_path / name
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(prefix)], check=True)
+    python = str(prefix / "bin" / "python")
+    installed = subprocess.run([uv, "pip", "install", "--python", python, "--require-hashes", "-r",
+                                str(IMAGES_DIR / name / "requirements.lock")], capture_output=True, text=True,
+                               timeout=1200, check=False)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    checked = subprocess.run([uv, "pip", "check", "--python", python], capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    imports = {"base": "import jupyterhub, jupyterlab, mlflow, dvc, papermill, nbgitpuller",
+               "pytorch": "import torch, jupyterlab, mlflow; assert torch.__version__.startswith('2.15')"}[name]
+    subprocess.run([python, "-c", imports], check=True, timeout=300)
