@@ -47,7 +47,9 @@ E2E_MODULES = frozenset({
     "test_datasets", "test_embedded", "test_gpu", "test_helm", "test_identity_hub", "test_jobs_embedded", "test_journey",
     "test_availability", "test_kube_cluster", "test_culler", "test_idle_signals", "test_lab_idle",
     "test_jupyterhub_contract", "test_lifecycle", "test_mlflow_service", "test_named_servers", "test_queue_restart",
-    "test_server_env", "test_spawner_contract", "test_system_users", "test_team_terminals",
+    "test_server_env", "test_spawner_contract", "test_system_users", "test_team_terminals", "test_finetune",
+    # installs the images' lock files into environments (uv), rebuilds the finetune one
+    "test_images",
 })
 #: Fixtures that start a real server for the test.
 E2E_FIXTURES = frozenset({"postgres_server", "s3_server"})
