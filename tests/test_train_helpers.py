@@ -24,7 +24,7 @@ from gpupool.train.models import (
     load_causal_lm,
     resolve,
 )
-from gpupool.train.tracking import RUN_FILE, resumable_run, team_model_name
+from gpupool.train.tracking import RUN_FILE, MetricsBuffer, resumable_run, team_model_name
 
 
 @given(batch=st.integers(1, 512), per_sample=st.floats(0.01, 64), memory=st.floats(0.5, 192),
@@ -107,6 +107,15 @@ def test_a_restarted_job_goes_on_in_the_run_it_began(tmp_path, monkeypatch):
     assert first.info.run_id == second.info.run_id == kept
     history = mlflow.MlflowClient().get_metric_history(kept, "loss")
     assert [(m.step, m.value) for m in history] == [(1, 1.0), (2, 0.5)]
+    # Every step's metrics, sent in batches: none before a flush (or the time limit), all of them after.
+    with resumable_run(tmp_path / "ckpt") as run:
+        buffer = MetricsBuffer(every_seconds=3600)
+        for step in range(3, 2003):
+            buffer.add({"loss": 1 / step, "lr": 0.1}, step)
+        assert len(mlflow.MlflowClient().get_metric_history(run.info.run_id, "lr")) == 0
+        buffer.flush()  # 4000 metrics: four requests of MLflow's most
+    history = mlflow.MlflowClient().get_metric_history(kept, "loss")
+    assert [m.step for m in history] == [1, 2, *range(3, 2003)] and buffer.pending == []
     monkeypatch.setenv("GPUPOOL_TEAM", "vision")
     assert team_model_name("sft") == "vision-sft" and team_model_name("vision-sft") == "vision-sft"
     monkeypatch.delenv("GPUPOOL_TEAM")

@@ -66,24 +66,27 @@ class LogToMLflow(TrainerCallback):
     """Every log of the Trainer (loss, learning rate, grad norm) as MLflow metrics at its global step, in the
     active run (`gpupool.train.tracking.resumable_run`): a resumed job's history goes on where it was.
 
-    Logged asynchronously (MLflow's own queue), so a training step never waits for the tracking server; the
-    queue is flushed at every checkpoint (put it before `CommitCheckpoints` in the callbacks, so the flush
-    comes before the commit), so a resumed run's history has every step up to its checkpoint, and when the run
-    ends."""
+    Sent in batches (`gpupool.train.tracking.MetricsBuffer`): at every checkpoint (put this callback before
+    `CommitCheckpoints`, so the metrics are sent before the commit), every `every_seconds` and at the end, so a
+    training step never waits for the tracking server and a resumed run's history has every step."""
+
+    def __init__(self, every_seconds: float = 30.0):
+        from gpupool.train.tracking import MetricsBuffer
+
+        self.buffer = MetricsBuffer(every_seconds)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
-            import mlflow
-
-            metrics = {key: float(value) for key, value in logs.items()
-                       if isinstance(value, (int, float)) and not isinstance(value, bool)}
-            if metrics:
-                mlflow.log_metrics(metrics, step=state.global_step, synchronous=False)
+            self.buffer.add({key: value for key, value in logs.items()
+                             if isinstance(value, (int, float)) and not isinstance(value, bool)}, state.global_step)
         return control
 
     def on_save(self, args, state, control, **kwargs):
         if state.is_world_process_zero:
-            import mlflow
+            self.buffer.flush()
+        return control
 
-            mlflow.flush_async_logging()
+    def on_train_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            self.buffer.flush()
         return control

@@ -15,9 +15,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from pathlib import Path
 
 RUN_FILE = "mlflow-run.json"
+#: MLflow's most metrics in one log-batch request.
+BATCH_LIMIT = 1000
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -47,6 +50,45 @@ def resumable_run(folder: str | os.PathLike, **start_kwargs):
         _write_atomically(kept, json.dumps({"run_id": run.info.run_id}))
     with run:
         yield run
+
+
+class MetricsBuffer:
+    """Metrics of every step, sent to MLflow in batches: at each checkpoint (`flush()` before the commit, so a
+    resumed run's history has every step up to its checkpoint), every `every_seconds`, and at the end. A step
+    never waits for the tracking server in between; one request carries many steps.
+
+        metrics = MetricsBuffer()
+        metrics.add({"loss": loss}, step)
+        if step % every == 0:
+            metrics.flush()
+            save_checkpoint(step)
+    """
+
+    def __init__(self, every_seconds: float = 30.0, run_id: str | None = None):
+        self.every_seconds, self.run_id = every_seconds, run_id
+        self.pending: list = []
+        self.sent_at = time.monotonic()
+
+    def add(self, metrics: dict[str, float], step: int) -> None:
+        from mlflow.entities import Metric
+
+        at = int(time.time() * 1000)
+        self.pending += [Metric(key, float(value), at, step) for key, value in metrics.items()]
+        if time.monotonic() - self.sent_at >= self.every_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        import mlflow
+        from mlflow import MlflowClient
+
+        self.sent_at = time.monotonic()
+        if not self.pending:
+            return
+        run_id = self.run_id or mlflow.active_run().info.run_id
+        client = MlflowClient()
+        for start in range(0, len(self.pending), BATCH_LIMIT):
+            client.log_batch(run_id, metrics=self.pending[start:start + BATCH_LIMIT])
+        self.pending = []
 
 
 def register_folder(run_id: str, folder: str | os.PathLike, artifact_path: str, model_name: str,

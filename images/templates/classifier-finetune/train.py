@@ -29,7 +29,7 @@ from gpupool.train.data import dataset_source, read_jsonl
 from gpupool.train.fit import choose
 from gpupool.train.models import load_model
 from gpupool.train.pytorch import TorchCheckpoints
-from gpupool.train.tracking import register_folder, resumable_run, team_model_name
+from gpupool.train.tracking import MetricsBuffer, register_folder, resumable_run, team_model_name
 
 HERE = Path(__file__).resolve().parent
 
@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         mlflow.log_params({"model": config["model"], "model.source": source.describe()[:500], "steps": steps,
                            "batch_size": fit.batch_size, "learning_rate": train["learning_rate"],
                            "precision": fit.precision, "labels": ",".join(labels), **data.params})
+        metrics = MetricsBuffer()
         model.train()
         while step < steps:
             epoch_batches = batches(rows, fit.batch_size, seed, epoch)
@@ -114,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                 scheduler.step()
                 optimizer.zero_grad()
                 step, done_in_epoch = step + 1, done_in_epoch + 1
-                mlflow.log_metric("loss", loss_total, step=step, synchronous=False)  # never waits for the server
+                metrics.add({"loss": loss_total}, step)  # sent in batches: a step never waits for MLflow
                 if step % checkpoints.every == 0 or should_stop():
-                    mlflow.flush_async_logging()  # the history has every step its checkpoint has
+                    metrics.flush()  # before the checkpoint: the history has every step its checkpoint has
                 if checkpoints.step_done(step, position={"epoch": epoch, "batch": done_in_epoch}):
                     print(f"gpupool: stopped at step {step} (asked to stop; saved)", flush=True)
                     return 128 + signal.SIGTERM
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                     break
             else:
                 epoch, done_in_epoch = epoch + 1, 0
+        metrics.flush()
         logits = predict(model, tokenizer, validation, max_length, fit.device)
         accuracy = (logits.argmax(-1) == torch.tensor([r["label"] for r in validation])).float().mean().item()
         mlflow.log_metric("validation_accuracy", accuracy, step=step)
