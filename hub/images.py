@@ -53,7 +53,7 @@ def default_wheel() -> Path | None:
 def build_digest(name: str, wheel: Path, python: str) -> str:
     """What an environment is made of: the lock files, gpupool's wheel, the start-up files, the interpreter."""
     digest = hashlib.sha256(f"{name}\0{python}\0".encode())
-    for path in [*lock_files(name), wheel, *sorted(p for p in BASE_FILES.rglob("*") if p.is_file())]:
+    for path in [*lock_files(name), wheel, *start_up_files()]:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:12]
 
@@ -73,6 +73,12 @@ def _run(command: list[str], what: str) -> None:
     done = subprocess.run(command, check=False)
     if done.returncode != 0:
         raise ImageError(f"{what} failed (exit {done.returncode}): {' '.join(command[:6])} …")
+
+
+def start_up_files() -> list[Path]:
+    """The servers' start-up files `server_files` copies (what of images/base/ goes into an environment)."""
+    return [BASE_FILES / "gpupool-platform-first.pth", BASE_FILES / "platform_first.py", BASE_FILES / "overrides.json",
+            *sorted((BASE_FILES / "jupyter_server_config.d").glob("*.json"))]
 
 
 def server_files(prefix: Path) -> None:

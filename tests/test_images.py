@@ -187,3 +187,23 @@ def test_each_lock_installs_into_a_clean_environment(name, tmp_path):
     imports = {"base": "import jupyterhub, jupyterlab, mlflow, dvc, papermill, nbgitpuller",
                "pytorch": "import torch, jupyterlab, mlflow; assert torch.__version__.startswith('2.15')"}[name]
     subprocess.run([python, "-c", imports], check=True, timeout=300)
+
+
+@pytest.mark.parametrize("name", ["lora-sft", "classifier-finetune"])
+def test_each_templates_notebook_runs_its_few_steps_in_the_finetune_environment(name, tmp_path):
+    """The notebook a person opens first, run top to bottom (papermill, in the finetune image's environment):
+    three steps in the server, a `-try` version registered, nothing submitted."""
+    environment = Path(default_images_dir()) / "finetune"
+    assert image_stamp(environment) is not None, "`make test` builds the finetune environment (make images)"
+    folder = tmp_path / name
+    shutil.copytree(TEMPLATES_DIR / name, folder)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GPUPOOL_TEAM": "vision", "GPUPOOL_SHARE": "0",
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}", "CUDA_VISIBLE_DEVICES": "",
+           "PATH": f"{environment / 'bin'}:{os.environ['PATH']}"}
+    ran = subprocess.run([str(environment / "bin" / "papermill"), f"{name}.ipynb", "ran.ipynb", "--cwd", str(folder),
+                          "--log-output"], cwd=folder, env=env, capture_output=True, text=True, timeout=900,
+                         check=False)
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    output = (folder / "ran.ipynb").read_text()
+    assert "step 3 of 3" in output and "registered vision-" in output and "-try version 1" in output, output[-3000:]
+    assert "gpupool jobs submit" in (folder / f"{name}.ipynb").read_text()  # said, not run
