@@ -5,6 +5,7 @@ Used by the end-to-end tests and `bench/spawn.py`; it talks to the real hub and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -182,6 +183,17 @@ class Hub:
         if self.process and self.process.poll() is None:
             self.process.kill()
             self.process.wait(30)
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL every process still running from this hub's folder (its servers, which a stopped hub leaves
+        running by design, jobs, services): by command line or working directory."""
+        import psutil
+
+        folder = str(self.log.parent)
+        for process in psutil.process_iter(["cmdline", "cwd"]):
+            if folder in " ".join(process.info["cmdline"] or []) or folder in (process.info["cwd"] or ""):
+                with contextlib.suppress(psutil.Error):
+                    process.kill()
 
     def cli(self, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
         """Run `gpupool ARGS` as a person would: from another folder (`cwd`), finding this hub by itself."""

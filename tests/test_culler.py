@@ -97,6 +97,7 @@ c.Spawner.environment = {{**c.Spawner.environment, "GPUPOOL_IDLE_REPORT_SECONDS"
         yield hub
     finally:
         hub.stop()
+        hub.kill_leftovers()  # the servers a stopped hub leaves running
 
 
 @pytest.fixture(scope="module")
