@@ -53,10 +53,13 @@ class GPUPoolHub(JupyterHub):
 
     async def start(self):
         await super().start()
+        from gpupool.spawner.kube import GPUKubeSpawner
         from gpupool.spawner.local import LocalGPUSpawner
 
         if isinstance(self.spawner_class, type) and issubclass(self.spawner_class, LocalGPUSpawner):
             await self.start_job_runner()
+        elif isinstance(self.spawner_class, type) and issubclass(self.spawner_class, GPUKubeSpawner):
+            await self.start_kube_job_runner()
 
     async def start_job_runner(self) -> None:
         """Run the embedded mode's training jobs through the spawners' pool (`gpupool.spawner.jobrunner`)."""
@@ -71,6 +74,28 @@ class GPUPoolHub(JupyterHub):
         await runner.start()
         self.job_runner = runner
         self.log.info("gpupool: job runner started (jobs in %s)", settings.ledger_url.split("@")[-1])
+
+    async def start_kube_job_runner(self) -> None:
+        """Run the Kubernetes mode's training jobs as Volcano Jobs (`gpupool.spawner.kubejobs`), in the
+        namespace, with the API client and the default image of the hub's GPUKubeSpawner configuration."""
+        from kubespawner.clients import shared_client
+
+        from gpupool.hub.accounting.jobs import JobStore
+        from gpupool.spawner.kubejobs import KubeJobRunner
+        from gpupool.spawner.volcano import Release
+
+        settings = self._job_spawner(None)  # loads the Kubernetes client configuration as a spawner does
+        if not settings.ledger_url:
+            self.log.warning("gpupool: no GPUPOOL_LEDGER_URL: training jobs are not run")
+            return
+        ledger = settings.ledger
+        runner = KubeJobRunner(JobStore(ledger.engine), ledger, lambda: settings.policy,
+                               shared_client("CustomObjectsApi"), shared_client("CoreV1Api"), settings.namespace,
+                               Release(os.environ.get("GPUPOOL_RELEASE", "gpupool"), settings.namespace),
+                               settings.image, self.log)
+        await runner.start()
+        self.job_runner = runner
+        self.log.info("gpupool: Kubernetes job runner started (Volcano Jobs in namespace %s)", settings.namespace)
 
     def _job_spawner(self, job):
         """A spawner of the hub's configuration for `job`'s user (None: the settings only): every setting a

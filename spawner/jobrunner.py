@@ -34,7 +34,9 @@ from pathlib import Path
 
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import LOWEST_PRIORITY, Reason
-from gpupool.hub.accounting.jobs import Job, JobStore, Run, default_checkpoint_dir, job_log, priority_order
+from gpupool.hub.accounting.jobs import (
+    LEDGER_END, Job, JobStore, Run, default_checkpoint_dir, job_log, priority_order,
+)
 from gpupool.hub.accounting.ledger import HowEnded, Ledger, job_run_key
 from gpupool.hub.accounting.preemption import Holder, victims
 from gpupool.hub.accounting.restarts import Ended, Event
@@ -55,11 +57,6 @@ TICK_S = 1.0
 HEARTBEAT_S = 30.0
 #: Events after which a job goes back to the head of its priority in the queue.
 REQUEUED = {Event.PREEMPTED.value, Event.NODE_LOST.value, Event.PLATFORM_RESTART.value}
-HOW: dict[Event, HowEnded] = {
-    Event.SUCCEEDED: HowEnded.STOPPED, Event.FAILED: HowEnded.FAILED, Event.PREEMPTED: HowEnded.PREEMPTED,
-    Event.NODE_LOST: HowEnded.FAILED, Event.PLATFORM_RESTART: HowEnded.FAILED, Event.SUSPENDED: HowEnded.STOPPED,
-    Event.CANCELLED: HowEnded.STOPPED,
-}
 
 
 def pool_key(job_id: str) -> str:
@@ -398,7 +395,7 @@ class JobRunner:
         policy = self.policy_of()
         following = await asyncio.to_thread(self.store.end_run, job.id, run.attempt, ended, at, policy)
         if run.holding:
-            await asyncio.to_thread(self.ledger.close_run, run.holding, at, HOW[ended.event])
+            await asyncio.to_thread(self.ledger.close_run, run.holding, at, LEDGER_END[ended.event])
         self.pool.release(pool_key(job.id))
         await self.revoke(job, run.attempt)
         what = following.reason if following is not None else ended.event.value

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from gpupool.hub.accounting.jobs import Job, env_problem
+from gpupool.hub.accounting.restarts import Ended, Event
 from gpupool.policies.choice import check_choice
 from gpupool.policies.identity import username_problem
 from gpupool.policies.model import DNS_LABEL, Policy, Restarts
@@ -300,3 +301,67 @@ def job_state(job: Mapping[str, Any]) -> VolcanoJobState:
     elif phase == "Restarting":
         words = f"{words} (restart {retries})"
     return VolcanoJobState(gpupool_state, retries, said or words)
+
+
+# --- how a run ended, from its pod -------------------------------------------------------------------------
+
+#: A pod's `DisruptionTarget` condition reasons (Kubernetes ≥ 1.26) that mean higher-priority work took its
+#: place; the others (a drained or tainted node, a node that went away) mean the node.
+PREEMPTION_REASONS = frozenset({"PreemptionByScheduler", "PreemptionByKubeScheduler", "EvictionByEvictionAPI"})
+
+
+def pod_retry(pod: Mapping[str, Any]) -> int | None:
+    """The Volcano restart a pod belongs to (`volcano.sh/job-retry-count`), None if it does not say."""
+    value = ((pod.get("metadata") or {}).get("annotations") or {}).get(RETRY_COUNT_ANNOTATION)
+    return int(value) if isinstance(value, str) and value.isdigit() else None
+
+
+def pod_exit_code(pod: Mapping[str, Any]) -> int | None:
+    """The exit code of the job's container, once it has terminated."""
+    for container in (pod.get("status") or {}).get("containerStatuses") or []:
+        if container.get("name") == TASK:
+            terminated = (container.get("state") or {}).get("terminated") or {}
+            code = terminated.get("exitCode")
+            return code if isinstance(code, int) else None
+    return None
+
+
+def pod_end(pod: Mapping[str, Any], *, deleted: bool = False) -> Ended | None:
+    """How the run in `pod` ended, as the restart rules count it; None while it waits or runs.
+
+    The container's exit code decides a failure; a pod evicted by the kubelet (node pressure) or disrupted
+    (its `DisruptionTarget` condition) ended for its node or for higher-priority work, which never counts
+    against the job's restarts. `deleted`: the pod was deleted (a watch's DELETED event) before it ended by
+    itself: Volcano's preemption, a drain or a lost node took it.
+    """
+    status = pod.get("status") or {}
+    phase = status.get("phase")
+    disruption = next((c for c in status.get("conditions") or [] if c.get("type") == "DisruptionTarget"
+                       and c.get("status") == "True"), None)
+    code = pod_exit_code(pod)
+    if phase == "Succeeded":
+        return Ended(Event.SUCCEEDED, 0 if code is None else code)
+    if disruption is not None and (phase == "Failed" or deleted):
+        preempted = disruption.get("reason") in PREEMPTION_REASONS
+        return Ended(Event.PREEMPTED if preempted else Event.NODE_LOST, code)
+    if phase == "Failed":
+        if status.get("reason") == "Evicted":  # the kubelet's node-pressure eviction: the node's, not the job's
+            return Ended(Event.NODE_LOST, code)
+        return Ended(Event.FAILED, code)
+    if deleted:
+        preemptable = ((pod.get("metadata") or {}).get("annotations") or {}).get(PREEMPTABLE_ANNOTATION) == "true"
+        return Ended(Event.PREEMPTED if preemptable else Event.NODE_LOST, code)
+    return None
+
+
+def running_since(pod: Mapping[str, Any]) -> str | None:
+    """When the pod's container started running (RFC 3339, as the API gives it), None if it does not run."""
+    status = pod.get("status") or {}
+    if status.get("phase") != "Running" or (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return None
+    for container in status.get("containerStatuses") or []:
+        if container.get("name") == TASK:
+            started = ((container.get("state") or {}).get("running") or {}).get("startedAt")
+            if started:
+                return started
+    return status.get("startTime")

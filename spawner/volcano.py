@@ -353,6 +353,8 @@ def jupyterhub_values(policy: Policy, release: Release, culler: bool = True) -> 
             # from its postgresql values (the password, PGPASSWORD, is the operator's: see the chart's check).
             "extraEnv": {
                 "GPUPOOL_POLICIES": POLICY_DIR,
+                # The training jobs' Volcano Jobs carry the release's labels (`gpupool.spawner.kubejobs`).
+                "GPUPOOL_RELEASE": release.name,
                 LEDGER_URL_ENV: {"valueFrom": {"configMapKeyRef": {"name": release.hub_env_configmap,
                                                                     "key": LEDGER_URL_ENV}}},
             },

@@ -381,6 +381,135 @@ class PodProcesses:
                                     stdin=subprocess.DEVNULL, start_new_session=True)
 
 
+class VolcanoJobControllerDouble:
+    """A double of Volcano's job controller (`vc-controller-manager`, not built here: see the module's
+    docstring), named as one, for one-task Volcano Jobs of `namespace`: what gpupool reads of it and nothing
+    more. Each round it gives a new Job the `Pending` phase, makes the task's pod from the template
+    (`<job>-<task>-0`, with Volcano's `volcano.sh/job-name` label and `volcano.sh/job-retry-count` annotation;
+    the real kube-scheduler's `volcano` profile binds it and KWOK runs it), sets `Running` when the pod runs,
+    and when the pod ends applies the Job's `policies` as Volcano does (an `exitCode` entry first, then the
+    `PodEvicted` (the pod deleted while it ran, or evicted by its kubelet) or `PodFailed` event; `RestartJob` deletes the pod and counts `status.retryCount` up to
+    `maxRetry`, past it the Job `Failed`; `TerminateJob` → `Terminated`; `TaskCompleted`/`CompleteJob` →
+    `Completed`). Its pods have no ownerReferences (KWOK's pod-complete stage would complete any pod a `Job`
+    owns at once), so it deletes the pods of a Job that is gone, as the garbage collector would."""
+
+    API = "/apis/batch.volcano.sh/v1alpha1"
+
+    def __init__(self, cluster: KubeCluster, namespace: str):
+        self.cluster, self.namespace = cluster, namespace
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="volcano-job-controller-double")
+        self.made: dict[str, int] = {}  # Job uid → the retry whose pod was made
+
+    def __enter__(self) -> VolcanoJobControllerDouble:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        session = self.cluster.api()
+        while not self._stop.wait(0.2):
+            try:
+                self._round(session)
+            except Exception as error:  # noqa: BLE001 - said, and the next round tries again
+                print(f"VolcanoJobControllerDouble: {type(error).__name__}: {error}", flush=True)
+
+    def _url(self, path: str, core: bool = False) -> str:
+        return f"{self.cluster.url}{'/api/v1' if core else self.API}/namespaces/{self.namespace}/{path}"
+
+    def _status(self, session, job: dict, phase: str, retries: int, **extra) -> None:
+        status = {**(job.get("status") or {}), "state": {"phase": phase}, "retryCount": retries, **extra}
+        reply = session.patch(self._url(f"jobs/{job['metadata']['name']}/status"), json={"status": status},
+                              headers={"Content-Type": "application/merge-patch+json"}, timeout=10)
+        reply.raise_for_status()
+
+    def _round(self, session) -> None:
+        jobs = session.get(self._url("jobs"), timeout=10).json().get("items", [])
+        pods = session.get(self._url("pods", core=True), params={"labelSelector": "volcano.sh/job-name"},
+                           timeout=10).json().get("items", [])
+        by_job: dict[str, dict] = {p["metadata"]["labels"]["volcano.sh/job-name"]: p for p in pods}
+        names = {j["metadata"]["name"] for j in jobs}
+        for name, pod in by_job.items():
+            if name not in names and not pod["metadata"].get("deletionTimestamp"):
+                session.delete(self._url(f"pods/{pod['metadata']['name']}", core=True), timeout=10)
+        for job in jobs:
+            if job["metadata"].get("deletionTimestamp"):
+                continue
+            status = job.get("status") or {}
+            phase = (status.get("state") or {}).get("phase")
+            retries = status.get("retryCount", 0)
+            if phase in ("Completed", "Failed", "Terminated", "Aborted"):
+                continue
+            if phase is None:
+                self._status(session, job, "Pending", 0)
+                continue
+            pod = by_job.get(job["metadata"]["name"])
+            if pod is None and self.made.get(job["metadata"]["uid"]) == retries:
+                # the pod of this retry was made and is gone: evicted (Volcano's preemption deletes it, a drain)
+                self._apply(session, job, None, "PodEvicted", None, retries)
+                continue
+            if pod is None:
+                self._make_pod(session, job, retries)
+                continue
+            if pod["metadata"].get("deletionTimestamp"):
+                continue
+            pod_phase = (pod.get("status") or {}).get("phase")
+            if pod_phase == "Running" and phase != "Running":
+                self._status(session, job, "Running", retries)
+            elif pod_phase == "Succeeded":
+                self._status(session, job, "Completed", retries)
+            elif pod_phase == "Failed":
+                self._failed(session, job, pod, retries)
+
+    def _failed(self, session, job: dict, pod: dict, retries: int) -> None:
+        status = pod.get("status") or {}
+        code = next((c["state"]["terminated"].get("exitCode") for c in status.get("containerStatuses") or []
+                     if "terminated" in (c.get("state") or {})), None)
+        event = "PodEvicted" if status.get("reason") == "Evicted" else "PodFailed"
+        self._apply(session, job, pod, event, code, retries)
+
+    def _apply(self, session, job: dict, pod: dict | None, event: str, code: int | None, retries: int) -> None:
+        policies = job["spec"].get("policies") or []
+        action = next((p["action"] for p in policies if p.get("exitCode") is not None and p["exitCode"] == code),
+                      None) or next((p["action"] for p in policies if p.get("event") == event), None)
+        if action == "RestartJob":
+            if retries + 1 > job["spec"].get("maxRetry", 3):
+                self._status(session, job, "Failed", retries)
+                return
+            if pod is not None:
+                session.delete(self._url(f"pods/{pod['metadata']['name']}", core=True),
+                               params={"gracePeriodSeconds": 0}, timeout=10)
+            self._status(session, job, "Restarting", retries + 1)
+        elif action == "TerminateJob":
+            self._status(session, job, "Terminated", retries, failed=1)
+        else:
+            self._status(session, job, "Failed", retries, failed=1)
+
+    def _make_pod(self, session, job: dict, retries: int) -> None:
+        task = job["spec"]["tasks"][0]
+        template = task["template"]
+        name = job["metadata"]["name"]
+        pod = {"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": f"{name}-{task['name']}-0", "namespace": self.namespace,
+                            "labels": {**(template.get("metadata") or {}).get("labels", {}),
+                                       "volcano.sh/job-name": name},
+                            "annotations": {**((template.get("metadata") or {}).get("annotations") or {}),
+                                            "volcano.sh/job-retry-count": str(retries),
+                                            "scheduling.k8s.io/group-name": name}},
+               "spec": template["spec"]}
+        reply = session.post(self._url("pods", core=True), json=pod, timeout=10)
+        if reply.status_code not in (201, 409):  # 409: the last pod is still being deleted; the next round
+            raise RuntimeError(f"pod of {name}: {reply.status_code} {reply.text[:300]}")
+        if reply.status_code == 201:
+            self.made[job["metadata"]["uid"]] = retries
+        if phase := (job.get("status") or {}).get("state", {}).get("phase"):
+            if phase == "Restarting":
+                self._status(session, job, "Pending", retries)
+
+
 def _end(process: subprocess.Popen) -> None:
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):

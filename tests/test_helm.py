@@ -176,11 +176,14 @@ def test_the_jupyterhub_wiring_points_at_what_the_chart_creates():
     assert not [k for k in rendered if k[0] == "Ingress" or k[2] == "pool-mlflow"]
 
 
-def test_the_hub_may_read_podgroups_and_list_nodes_and_nothing_more():
+def test_the_hub_may_read_podgroups_run_volcano_jobs_and_list_nodes_and_nothing_more():
     rendered = {key(o): o for o in render(values_for(EXAMPLES_DIR))}
     role = rendered[("Role", NAMESPACE, "pool-hub-podgroups")]
     assert role["rules"] == [{"apiGroups": ["scheduling.volcano.sh"], "resources": ["podgroups"],
-                              "verbs": ["get", "list", "watch"]}]
+                              "verbs": ["get", "list", "watch"]},
+                             # the job runner's (gpupool.spawner.kubejobs): no update, no patch, no status
+                             {"apiGroups": ["batch.volcano.sh"], "resources": ["jobs"],
+                              "verbs": ["get", "list", "watch", "create", "delete"]}]
     binding = rendered[("RoleBinding", NAMESPACE, "pool-hub-podgroups")]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pool-hub-podgroups"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "hub", "namespace": NAMESPACE}]

@@ -18,21 +18,27 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
+from datetime import timedelta
 from fractions import Fraction
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import pytest_asyncio
 import requests
 import yaml
 
+from gpupool.hub.accounting import periods
+from gpupool.hub.accounting.jobs import Job, JobStore, JobSubmission, resolve
 from gpupool.hub.accounting.ledger import HowEnded, State
 from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR, load_policy
-from gpupool.spawner.jobs import JobSpec, volcano_job
+from gpupool.spawner.jobs import EVICTION_HEADROOM, JOB_ID_LABEL, JobSpec, job_name, volcano_job
+from gpupool.spawner.kubejobs import KubeJobRunner
 from gpupool.spawner.kube import GPUKubeSpawner
 from gpupool.spawner.usage import get_ledger
 from gpupool.spawner.volcano import Release
@@ -476,3 +482,172 @@ async def test_the_rendered_priority_classes_let_a_teams_notebook_preempt_deprio
         for n in range(3):
             session.delete(f"{pods}/over-budget-{n}", params={"gracePeriodSeconds": 0}, timeout=10)
         cluster.kubectl("delete", "node", "tiny-h200", "--wait=false")
+
+
+# --- training jobs as Volcano Jobs (gpupool.spawner.kubejobs) ---------------------------------------------------
+# Volcano's job controller is not built here: `kc.VolcanoJobControllerDouble`, a double named as one, makes each
+# Job's pod and applies its policies; the pods are bound by the real kube-scheduler's `volcano` stand-in profile,
+# run and failed by KWOK, and gpupool's job runner reads all of it through the real API server.
+
+
+@pytest_asyncio.fixture
+async def job_cluster(cluster, tmp_path, ledger):
+    """The example policies rendered and applied, the Volcano job controller double, and the job runner's
+    kubernetes_asyncio clients (the hub's kind: from a kubeconfig)."""
+    from kubernetes_asyncio import client as k8s
+    from kubernetes_asyncio import config as k8s_config
+
+    policies = kube.policy_copy(tmp_path, queue_timeout=60)
+    cluster.kubectl("apply", "--server-side", "-f", "-",
+                    input=gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path))
+    api = await k8s_config.new_client_from_config(config_file=str(cluster.kubeconfig))
+    with kc.VolcanoJobControllerDouble(cluster, NAMESPACE):
+        yield SimpleNamespace(policy=load_policy(policies), custom=k8s.CustomObjectsApi(api),
+                              core=k8s.CoreV1Api(api), store=JobStore(ledger.engine), ledger=ledger)
+    await api.close()
+    for job in cluster.get(f"/apis/batch.volcano.sh/v1alpha1/namespaces/{NAMESPACE}/jobs")["items"]:
+        cluster.api().delete(f"{cluster.url}/apis/batch.volcano.sh/v1alpha1/namespaces/{NAMESPACE}/jobs/"
+                             f"{job['metadata']['name']}", timeout=10)
+
+
+def runner_for(jobs) -> KubeJobRunner:
+    return KubeJobRunner(jobs.store, jobs.ledger, lambda: jobs.policy, jobs.custom, jobs.core, NAMESPACE,
+                         Release(), "quay.io/jupyterhub/singleuser:5.3", logging.getLogger("test-kube-jobs"),
+                         tick=0.2)
+
+
+def submit(jobs, user: str = "alice", **options) -> Job:
+    submission = JobSubmission(profile="h200-quarter", team="vision", command=["python", "train.py"], **options)
+    resolved = resolve(jobs.policy, user, ["vision"], submission)
+    return jobs.store.submit(user, resolved, submission, periods.utcnow())
+
+
+async def until(what: str, check, timeout: float = 60):
+    """Wait (on the event loop, where the runner works) until `check()` is true; its value."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not (value := await asyncio.to_thread(check)):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.2)
+    return value
+
+
+def job_pod(cluster, job_id: str) -> dict | None:
+    pods = cluster.get(f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector={JOB_ID_LABEL}%3D{job_id}")["items"]
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    return live[0] if live else None
+
+
+def running_pod(cluster, job_id: str, retry: int):
+    pod = job_pod(cluster, job_id)
+    ok = (pod is not None and pod["status"].get("phase") == "Running"
+          and pod["metadata"]["annotations"]["volcano.sh/job-retry-count"] == str(retry))
+    return pod if ok else None
+
+
+def fail_through_kwok(cluster, pod: dict, exit_code: int) -> None:
+    """KWOK's chaos stage fails the pod's container with `exit_code` (about a second later)."""
+    patch = {"metadata": {"labels": {"pod-container-running-failed.stage.kwok.x-k8s.io": "true"},
+                          "annotations": {"pod-container-running-failed.stage.kwok.x-k8s.io/exit-code": str(exit_code)}}}
+    cluster.kubectl("patch", "pod", "-n", NAMESPACE, pod["metadata"]["name"], "--type", "merge", "-p", json.dumps(patch))
+
+
+def volcano_job_of(cluster, job_id: str) -> dict | None:
+    reply = cluster.api().get(f"{cluster.url}/apis/batch.volcano.sh/v1alpha1/namespaces/{NAMESPACE}/jobs/"
+                              f"{job_name(job_id)}", timeout=10)
+    return reply.json() if reply.ok else None
+
+
+def billed_runs(ledger, job_id: str) -> list:
+    """The job's ledger intervals, in order: one per run, none overlapping."""
+    intervals = sorted((i for i in ledger.intervals_overlapping(periods.utcnow() - timedelta(days=1),
+                                                                periods.utcnow() + timedelta(days=1))
+                        if i.key.startswith(f"job:{job_id}@")), key=lambda i: i.start)
+    for before, after in zip(intervals, intervals[1:]):
+        assert before.end is not None and before.end <= after.start
+    return intervals
+
+
+@pytest.mark.asyncio
+async def test_a_job_is_a_volcano_job_whose_failures_restart_it_until_its_restarts_are_used_up(
+        cluster, kubeconfig, job_cluster, ledger):
+    jobs = job_cluster
+    job = submit(jobs, max_restarts=1)
+    runner = runner_for(jobs)
+    await runner.start()
+    try:
+        pod = await until("the first run's pod Running", lambda: running_pod(cluster, job.id, 0))
+        stored_job = volcano_job_of(cluster, job.id)
+        assert stored_job["spec"]["queue"] == "vision" and stored_job["spec"]["maxRetry"] == 1 + EVICTION_HEADROOM
+        assert pod["spec"]["schedulerName"] == kc.VOLCANO_STANDIN and pod["spec"]["nodeName"].startswith("gpu-h200")
+        # Billed from Running: the reservation made at admission became a running interval.
+        (first,) = await until("run 1 billed", lambda: [i for i in billed_runs(ledger, job.id)
+                                                        if i.state == State.RUNNING] or None)
+        assert (first.user, first.team, first.model, first.share) == ("alice", "vision", "H200", Fraction(1, 4))
+
+        fail_through_kwok(cluster, pod, 3)
+        await until("Volcano's restart as run 2", lambda: running_pod(cluster, job.id, 1))
+        now = await until("run 2 running", lambda: (j := jobs.store.get(job.id)).runs == 2 and j.state == "running"
+                          and j)
+        assert now.restarts == 1
+        run1 = jobs.store.runs(job.id)[0]
+        assert (run1.event, run1.exit_code, run1.counted) == ("failed", 3, True)
+
+        # A restart of the hub: a new runner follows run 2 where the last one stopped.
+        await runner.stop()
+        runner = runner_for(jobs)
+        await runner.start()
+        await until("run 2 billed", lambda: len([i for i in billed_runs(ledger, job.id)
+                                                  if i.state == State.RUNNING]) == 2)
+        assert jobs.store.get(job.id).runs == 2
+
+        fail_through_kwok(cluster, running_pod(cluster, job.id, 1), 3)
+        ended = await until("the job failed", lambda: (j := jobs.store.get(job.id)).state == "failed" and j)
+        assert ended.reason == "failed (exit code 3) after 1 restart" and ended.exit_code == 3
+        # gpupool's count ended it; Volcano (maxRetry 101) would have gone on: its Job is deleted.
+        await until("the Volcano Job deleted", lambda: volcano_job_of(cluster, job.id) is None)
+        runs = billed_runs(ledger, job.id)
+        assert len(runs) == 2 and all(i.end is not None and i.how == HowEnded.FAILED for i in runs)
+    finally:
+        await runner.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_preempted_job_resumes_without_a_retry_counted_succeeds_and_a_cancel_deletes_its_volcano_job(
+        cluster, kubeconfig, job_cluster, ledger):
+    jobs = job_cluster
+    never = submit(jobs)
+    jobs.store.cancel(never.id, periods.utcnow())  # cancelled while queued: never becomes a Volcano Job
+    job = submit(jobs, max_restarts=0, preemptible=True)
+    runner = runner_for(jobs)
+    await runner.start()
+    try:
+        pod = await until("the first run's pod Running", lambda: running_pod(cluster, job.id, 0))
+        assert volcano_job_of(cluster, job.id)["metadata"]["annotations"]["volcano.sh/preemptable"] == "true"
+        # Volcano's preempt action evicts a victim by deleting its pod.
+        cluster.kubectl("delete", "pod", "-n", NAMESPACE, pod["metadata"]["name"], "--wait=false")
+        pod = await until("Volcano's restart as run 2", lambda: running_pod(cluster, job.id, 1))
+        now = await until("run 2", lambda: (j := jobs.store.get(job.id)).runs == 2 and j.state == "running" and j)
+        run1 = jobs.store.runs(job.id)[0]
+        assert (run1.event, run1.counted) == ("preempted", False) and now.restarts == 0  # max_restarts 0 still
+
+        # The container exits 0, as a kubelet reports it.
+        done = {"status": {"phase": "Succeeded", "containerStatuses": [
+            {"name": "train", "ready": False, "restartCount": 0, "image": pod["spec"]["containers"][0]["image"],
+             "imageID": "", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}]}}
+        cluster.kubectl("patch", "pod", "-n", NAMESPACE, pod["metadata"]["name"], "--subresource", "status",
+                        "--type", "merge", "-p", json.dumps(done))
+        ended = await until("the job succeeded", lambda: (j := jobs.store.get(job.id)).state == "succeeded" and j)
+        assert ended.exit_code == 0 and ended.restarts == 0
+        assert [i.how for i in billed_runs(ledger, job.id)] == [HowEnded.PREEMPTED, HowEnded.STOPPED]
+
+        cancelled = submit(jobs, user="bob")
+        await until("its pod Running", lambda: running_pod(cluster, cancelled.id, 0))
+        jobs.store.cancel(cancelled.id, periods.utcnow())
+        gone = await until("cancelled", lambda: (j := jobs.store.get(cancelled.id)).state == "cancelled" and j)
+        assert gone.reason == "cancelled"
+        assert volcano_job_of(cluster, cancelled.id) is None
+        await until("its pod deleted", lambda: job_pod(cluster, cancelled.id) is None)
+        assert volcano_job_of(cluster, never.id) is None and jobs.store.get(never.id).runs == 0
+    finally:
+        await runner.stop()

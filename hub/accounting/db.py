@@ -238,6 +238,8 @@ class JobRun(Base):
     pid_started_ms: Mapped[int | None] = mapped_column(sa.BigInteger)
     #: The ledger run of this attempt's holding (`ledger.run_key`).
     holding: Mapped[str | None] = mapped_column(sa.String(255))
+    #: Kubernetes mode: Volcano's restart count of the job's Volcano Job when this run began (which pod it is).
+    cluster_retry: Mapped[int | None] = mapped_column(sa.Integer)
 
     __table_args__ = (
         sa.UniqueConstraint("job_id", "attempt"),

@@ -23,6 +23,7 @@ import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpupool.hub.accounting import db
+from gpupool.hub.accounting.ledger import HowEnded
 from gpupool.hub.accounting.restarts import Action, Ended, Event, Next, after_run
 from gpupool.policies.model import JOB_PRIORITIES, Policy
 
@@ -167,6 +168,14 @@ def resolve(policy: Policy, user: str, teams: Iterable[str], submission: JobSubm
     return Resolved(team, submission.profile, priority, preemptible, max_restarts, image)
 
 
+#: How a run's ledger interval ends, by how the run ended (both modes' runners).
+LEDGER_END: dict[Event, HowEnded] = {
+    Event.SUCCEEDED: HowEnded.STOPPED, Event.FAILED: HowEnded.FAILED, Event.PREEMPTED: HowEnded.PREEMPTED,
+    Event.NODE_LOST: HowEnded.FAILED, Event.PLATFORM_RESTART: HowEnded.FAILED, Event.SUSPENDED: HowEnded.STOPPED,
+    Event.CANCELLED: HowEnded.STOPPED,
+}
+
+
 def new_job_id() -> str:
     return secrets.token_hex(6)
 
@@ -184,6 +193,7 @@ class Run:
     pid: int | None
     pid_started_ms: int | None
     holding: str | None
+    cluster_retry: int | None = None
 
 
 @dataclass(frozen=True)
@@ -332,7 +342,7 @@ class JobStore:
     # --- changes -----------------------------------------------------------------------------------------
 
     def start_run(self, job_id: str, at: datetime, *, pid: int | None = None, pid_started_ms: int | None = None,
-                  holding: str | None = None) -> Run | None:
+                  holding: str | None = None, cluster_retry: int | None = None) -> Run | None:
         """The job's next run begins (it was waiting): its attempt; None if it is not waiting any more (it
         was cancelled, or another writer started it)."""
         with self._writer.begin() as connection:
@@ -349,7 +359,8 @@ class JobStore:
                 return None
             connection.execute(RUNS.insert().values(
                 job_id=job_id, attempt=attempt, started_at=at, ended_at=None, event=None, exit_code=None,
-                counted=False, reason="", pid=pid, pid_started_ms=pid_started_ms, holding=holding))
+                counted=False, reason="", pid=pid, pid_started_ms=pid_started_ms, holding=holding,
+                cluster_retry=cluster_retry))
         return next(r for r in self.runs(job_id) if r.attempt == attempt)
 
     def set_process(self, job_id: str, attempt: int, pid: int, pid_started_ms: int) -> None:
@@ -417,10 +428,11 @@ class JobStore:
                                .values(state="failed", ended_at=at, reason=reason[:500]))
         return self.get(job_id)
 
-    def set_reason(self, job_id: str, reason: str) -> None:
-        """Why a waiting job waits (its place in the queue and what it waits for), for its user to see."""
+    def set_reason(self, job_id: str, reason: str, states: Iterable[str] = ("queued", "restarting")) -> None:
+        """Why a waiting job waits (its place in the queue and what it waits for), for its user to see; in the
+        Kubernetes mode also where a running job's pod stands (`states` with `running`: in Volcano's queue)."""
         with self._writer.begin() as connection:
-            connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state.in_(("queued", "restarting")),
+            connection.execute(JOBS.update().where(JOBS.c.id == job_id, JOBS.c.state.in_(list(states)),
                                                    JOBS.c.reason != reason[:500])
                                .values(reason=reason[:500]))
 

@@ -1,0 +1,369 @@
+"""The Kubernetes mode's job runner: training jobs as Volcano Jobs, submitted and watched through the API.
+
+It runs in the hub process (`gpupool.hub.app.GPUPoolHub` starts it when the spawner is `GPUKubeSpawner`) and
+does for the cluster what `jobrunner.JobRunner` does on one machine, from the same jobs table
+(`accounting.jobs.JobStore`) that the jobs service writes:
+
+- a waiting job goes through the ledger's one door (`notify.admit`: quota and budget, its share held as
+  `reserved`), then becomes a Volcano Job (`jobs.volcano_job`) in its team's queue. Volcano schedules it,
+  restarts it under the Job's policies and preempts it; gpupool never places a pod itself;
+- a watch on the jobs' pods (list, then watch from the resourceVersion) sees how each pod ended, before
+  Volcano deletes it to restart the Job: its exit code, a kubelet eviction, a disruption (preemption, a
+  drained or lost node) or a deletion (`jobs.pod_end`);
+- every tick it lists the Volcano Jobs (label selector) and reads each one's phase and restart count
+  (`jobs.job_state`). A higher restart count than the run's (`Run.cluster_retry`), or an ended phase, ends
+  the run: `JobStore.end_run` counts it by gpupool's restart rules (a preemption or a lost node never counts),
+  and its ledger interval closes. When gpupool's rules end the job (its restarts used up, an exit code never
+  retried) while Volcano would go on, gpupool deletes the Volcano Job; when they continue it, the next run
+  is Volcano's restarted pod (or, after a Volcano Job that ended, a new Volcano Job when its turn comes);
+- each run is billed from the moment its pod runs (`Ledger.keep_run` from the container's start time), with
+  a heartbeat while it runs, and closed when it ends: one interval per run, none overlapping;
+- a cancel or suspend deletes the Volcano Job (its pods get their grace period to save a checkpoint).
+
+Everything it knows is in the jobs table and the cluster, so a restarted hub goes on where the last one
+stopped; only a pod that ended and was deleted while no hub watched leaves no cause (the run then ends as
+`node-lost`, which requeues it and never counts against its restarts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import Any
+
+from gpupool.hub.accounting import notify, periods
+from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest
+from gpupool.hub.accounting.jobs import LEDGER_END, Job, JobStore, Run, priority_order
+from gpupool.hub.accounting.ledger import HowEnded, Ledger, job_run_key
+from gpupool.hub.accounting.restarts import Action, Ended, Event, Next
+from gpupool.policies.model import Policy
+from gpupool.policies.resources import profile_share
+from gpupool.spawner.jobs import (
+    JOB_API_VERSION, JOB_ID_LABEL, JobSpec, job_name, job_state, pod_end, pod_retry, running_since, volcano_job,
+)
+from gpupool.spawner.volcano import Release, team_queue
+
+#: Seconds between two looks at the jobs table and the Volcano Jobs.
+TICK_S = 1.0
+#: Seconds between two heartbeats of a run's ledger interval.
+HEARTBEAT_S = 30.0
+GROUP, VERSION = JOB_API_VERSION.split("/")
+PLURAL = "jobs"
+#: gpupool's states of a Volcano Job that will not run its pod again by itself.
+OVER = ("succeeded", "failed", "cancelled", "suspended")
+
+
+def parse_time(text: str | None) -> datetime | None:
+    """An RFC 3339 time of the Kubernetes API (`2026-12-05T22:01:02Z`), as UTC."""
+    if not text:
+        return None
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+class KubeJobRunner:
+    """Submits, watches and ends the Volcano Jobs of the jobs in `store`, in `namespace`."""
+
+    def __init__(self, store: JobStore, ledger: Ledger, policy_of: Callable[[], Policy], custom, core,
+                 namespace: str, release: Release, default_image: str, log, tick: float = TICK_S):
+        """`custom`, `core`: kubernetes_asyncio's CustomObjectsApi and CoreV1Api (the spawner's clients);
+        `default_image`: what profiles without image choices run (the hub's notebook image)."""
+        self.store, self.ledger, self.policy_of = store, ledger, policy_of
+        self.custom, self.core, self.namespace, self.release = custom, core, namespace, release
+        self.default_image, self.log, self.tick_s = default_image, log, tick
+        #: From the pod watch, by (job id, Volcano restart): how that pod's run ended, when its container ran.
+        self.ends: dict[tuple[str, int], Ended] = {}
+        self.started: dict[tuple[str, int], str] = {}
+        self.billed: dict[str, tuple[bool, float]] = {}  # run holding → (billed as running, when written)
+        self.deleting: set[str] = set()  # job ids whose Volcano Job this runner deleted and waits to see gone
+        self.pods_seen = asyncio.Event()  # the watch's first list is in
+        self._tasks: list[asyncio.Task] = []
+
+    # --- the loops ---------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._watch_pods()), loop.create_task(self._loop())]
+
+    async def stop(self) -> None:
+        """The hub goes down: stop watching (the Volcano Jobs go on; the next hub follows them)."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            try:
+                await task
+            except BaseException:  # noqa: BLE001 - cancelled, or it had failed and said so
+                pass
+
+    async def _loop(self) -> None:
+        await self.pods_seen.wait()  # how running pods ended is known before any run is judged
+        while True:
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the API server or the database unreachable, a bug: log, try again next tick
+                self.log.exception("gpupool Kubernetes job runner: a round failed; trying again")
+            await asyncio.sleep(self.tick_s)
+
+    async def _watch_pods(self) -> None:
+        from kubernetes_asyncio import watch
+        from kubernetes_asyncio.client import ApiException
+
+        version = None
+        while True:
+            try:
+                if version is None:
+                    reply = await self.core.list_namespaced_pod(self.namespace, label_selector=JOB_ID_LABEL,
+                                                                _preload_content=False)
+                    listed = json.loads(await reply.read())
+                    for pod in listed.get("items") or []:
+                        self.see_pod(pod)
+                    version = listed["metadata"]["resourceVersion"]
+                    self.pods_seen.set()
+                stream = watch.Watch().stream(self.core.list_namespaced_pod, self.namespace,
+                                              label_selector=JOB_ID_LABEL, resource_version=version,
+                                              timeout_seconds=300)
+                async with stream:
+                    async for event in stream:
+                        pod = event["raw_object"]
+                        version = pod["metadata"]["resourceVersion"]
+                        if event["type"] != "BOOKMARK":
+                            self.see_pod(pod, deleted=event["type"] == "DELETED")
+            except asyncio.CancelledError:
+                raise
+            except ApiException as error:
+                if error.status == 410:  # too old a resourceVersion: list again
+                    version = None
+                    continue
+                self.log.warning("gpupool Kubernetes job runner: watching pods: %s; again in 1 s", error)
+                await asyncio.sleep(1)
+            except Exception as error:  # noqa: BLE001 - the connection dropped: list again, it is cheap
+                self.log.warning("gpupool Kubernetes job runner: watching pods: %s; again in 1 s", error)
+                version = None
+                await asyncio.sleep(1)
+
+    def see_pod(self, pod: Mapping[str, Any], deleted: bool = False) -> None:
+        """Note what a pod of a job says: when its container started, how it ended (the first end seen wins:
+        a pod that failed and was then deleted failed)."""
+        job_id = ((pod.get("metadata") or {}).get("labels") or {}).get(JOB_ID_LABEL)
+        if not job_id:
+            return
+        key = (job_id, pod_retry(pod) or 0)
+        since = running_since(pod)
+        if since:
+            self.started.setdefault(key, since)
+        ended = pod_end(pod, deleted=deleted)
+        if ended is not None:
+            self.ends.setdefault(key, ended)
+
+    # --- one round -----------------------------------------------------------------------------------------
+
+    async def volcano_jobs(self) -> dict[str, dict]:
+        """gpupool's Volcano Jobs in the namespace, by job id (a label selector, as the API server serves it)."""
+        listed = await self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
+                                                                 label_selector=JOB_ID_LABEL)
+        return {j["metadata"]["labels"][JOB_ID_LABEL]: j for j in listed.get("items") or []}
+
+    async def step(self) -> None:
+        """One round: follow what runs, start what Volcano restarted, submit what waits, delete what ended."""
+        policy = self.policy_of()
+        cluster = await self.volcano_jobs()
+        now = periods.utcnow()
+        live, waiting, running = await asyncio.to_thread(
+            lambda: ({j.id: j for j in self.store.jobs(states=("queued", "restarting", "running"))},
+                     self.store.waiting(now, priority_order(policy)), dict(
+                         (job.id, run) for job, run in self.store.running())))
+        for job_id in list(self.deleting):
+            if job_id not in cluster:
+                self.deleting.discard(job_id)
+        for job in live.values():
+            found = cluster.get(job.id)
+            if job.state == "running" and job.id in running:
+                await self._follow(job, running[job.id], found, policy)
+            elif job.state in ("queued", "restarting") and found is not None and job.id not in self.deleting:
+                await self._restarted(job, found, policy)
+        for job in waiting:
+            if job.id not in cluster:
+                await self._submit(job, policy)
+        for job_id, found in cluster.items():  # a job gpupool ended (or cancelled while no hub ran) that Volcano
+            if job_id not in live and job_state(found).state not in OVER:  # would still run: end it there
+                await self._delete(job_id)
+
+    # --- starting ----------------------------------------------------------------------------------------
+
+    async def _submit(self, job: Job, policy: Policy) -> None:
+        """Through the one door, then to Volcano: a waiting job without a Volcano Job."""
+        from kubernetes_asyncio.client import ApiException
+
+        profile = policy.profiles.get(job.profile)
+        if profile is None or job.team not in policy.teams:
+            await asyncio.to_thread(self.store.refuse, job.id, f"the policy no longer has profile {job.profile!r} "
+                                    f"or team {job.team!r}", periods.utcnow())
+            return
+        now = periods.utcnow()
+        holding, deprioritized = None, False
+        if profile.gpu is not None:
+            holding = job_run_key(job.id, now)
+            request = AdmissionRequest(user=job.user, team=job.team, at=now, profile=job.profile)
+            result = await asyncio.to_thread(notify.admit, policy, self.ledger, request, holding, self.log)
+            decision = result.decision
+            if decision.action == "deny":
+                await asyncio.to_thread(self.store.refuse, job.id, decision.reason, now)
+                return
+            if not decision.admitted:
+                await asyncio.to_thread(self.store.set_reason, job.id, f"waiting for quota: {decision.reason}")
+                return
+            deprioritized = decision.priority == LOWEST_PRIORITY
+        image = job.image if job.image in profile.images else None
+        try:
+            manifest = volcano_job(JobSpec.from_job(job, policy, deprioritized=deprioritized, image=image), policy,
+                                   self.release, self.namespace, default_image=self.default_image)
+        except ValueError as error:
+            await self._give_back(holding)
+            await asyncio.to_thread(self.store.refuse, job.id, f"cannot run in the cluster: {error}", now)
+            return
+        run = await asyncio.to_thread(self.store.start_run, job.id, now, holding=holding, cluster_retry=0)
+        if run is None:  # cancelled meanwhile
+            await self._give_back(holding)
+            return
+        try:
+            await self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, manifest)
+        except ApiException as error:
+            if error.status != 409:  # 409: made before (a round cut short): it is this job's, follow it
+                await self._refused_by_cluster(job, run, error, policy)
+                return
+        await asyncio.to_thread(self.store.set_reason, job.id, f"in Volcano's queue {team_queue(job.team)!r}",
+                                ("running",))
+        self.log.info("gpupool job %s (%s): Volcano Job %s submitted (run %d)", job.id, job.user,
+                      job_name(job.id), run.attempt)
+
+    async def _refused_by_cluster(self, job: Job, run: Run, error, policy: Policy) -> None:
+        said = _api_message(error)
+        if error.status >= 500 or error.status == 0:  # the API server's trouble, not the job's: ask again
+            await self._end(job, run, Ended(Event.PLATFORM_RESTART, None), periods.utcnow(), policy)
+            return
+        self.log.error("gpupool job %s: the Kubernetes API refused its Volcano Job (%s): %s", job.id,
+                       error.status, said)
+        await self._end(job, run, Ended(Event.FAILED, None), periods.utcnow(), policy)
+        await asyncio.to_thread(self.store.refuse, job.id, f"the Kubernetes API refused its Volcano Job "
+                                f"({error.status}): {said}", periods.utcnow())
+
+    async def _restarted(self, job: Job, found: dict, policy: Policy) -> None:
+        """A waiting job whose Volcano Job is still there: Volcano runs it again (its restart), a new run."""
+        state = job_state(found)
+        if state.state in OVER:  # it will not run again by itself: a new Volcano Job when its turn comes
+            await self._delete(job.id)
+            return
+        profile = policy.profiles.get(job.profile)
+        now = periods.utcnow()
+        holding = job_run_key(job.id, now) if profile is not None and profile.gpu is not None else None
+        run = await asyncio.to_thread(self.store.start_run, job.id, now, holding=holding,
+                                      cluster_retry=state.retries)
+        if run is not None:
+            await asyncio.to_thread(self.store.set_reason, job.id, f"restarted by Volcano: {state.reason}",
+                                    ("running",))
+
+    async def _give_back(self, holding: str | None) -> None:
+        if holding:  # reserved, never billed
+            await asyncio.to_thread(self.ledger.close_run, holding, periods.utcnow(), HowEnded.FAILED)
+
+    # --- following and ending ------------------------------------------------------------------------------
+
+    async def _follow(self, job: Job, run: Run, found: dict | None, policy: Policy) -> None:
+        now = periods.utcnow()
+        if job.cancel_requested or job.suspend_requested:
+            if found is not None:
+                await self._delete(job.id)  # the pods get their grace period to save
+                return
+            why = Event.CANCELLED if job.cancel_requested else Event.SUSPENDED
+            await self._end(job, run, Ended(why, None), now, policy)
+            return
+        if found is None:
+            # Deleted by someone else (an administrator's kubectl): not the job's failure; it is submitted again.
+            self.log.warning("gpupool job %s: its Volcano Job is gone; it goes back to the queue", job.id)
+            await self._end(job, run, Ended(Event.PLATFORM_RESTART, None), now, policy)
+            return
+        state = job_state(found)
+        retry = run.cluster_retry or 0
+        if state.retries > retry or state.state in OVER:
+            ended = self.ends.get((job.id, retry)) or _from_phase(state.state)
+            following = await self._end(job, run, ended, now, policy)
+            if following is None:  # that run had been ended already
+                return
+            goes_on = following.action in (Action.RESTART, Action.REQUEUE)
+            if goes_on == (state.state in OVER):
+                # gpupool ends it while Volcano would restart it, or continues it where Volcano stopped: the
+                # Volcano Job goes (a new one is made when the job's turn comes again).
+                await self._delete(job.id)
+            return
+        if state.state == "queued":
+            await asyncio.to_thread(self.store.set_reason, job.id,
+                                    f"in Volcano's queue {team_queue(job.team)!r}: {state.reason}", ("running",))
+        since = self.started.get((job.id, retry))
+        if run.holding is not None:
+            await self._bill(job, run, parse_time(since), policy)
+
+    async def _bill(self, job: Job, run: Run, since: datetime | None, policy: Policy) -> None:
+        """The run's ledger interval: held, not billed, while its pod waits; billed from when its container
+        started once it runs; seen again every `HEARTBEAT_S`."""
+        profile = policy.profiles.get(job.profile)
+        runs = since is not None and profile is not None and profile.gpu is not None
+        last = self.billed.get(run.holding)
+        if last is not None and last[0] == runs and time.monotonic() - last[1] < HEARTBEAT_S:
+            return
+        now = periods.utcnow()
+        if runs:
+            since = max(since, run.started_at)
+            await asyncio.to_thread(self.ledger.keep_run, run.holding, job.user, job.team, job.profile,
+                                    profile.gpu.model, profile_share(profile, policy), since, now,
+                                    queue_wait=since - run.started_at)
+        else:
+            await asyncio.to_thread(self.ledger.heartbeat_run, run.holding, now)
+        self.billed[run.holding] = (runs, time.monotonic())
+
+    async def _end(self, job: Job, run: Run, ended: Ended, at: datetime, policy: Policy) -> Next | None:
+        following = await asyncio.to_thread(self.store.end_run, job.id, run.attempt, ended, at, policy)
+        if run.holding:
+            await asyncio.to_thread(self.ledger.close_run, run.holding, at, LEDGER_END[ended.event])
+            self.billed.pop(run.holding, None)
+        key = (job.id, run.cluster_retry or 0)
+        self.ends.pop(key, None)
+        self.started.pop(key, None)
+        self.log.info("gpupool job %s: run %d ended (%s, exit %s): %s", job.id, run.attempt, ended.event.value,
+                      ended.exit_code, following.reason if following is not None else "already ended")
+        return following
+
+    async def _delete(self, job_id: str) -> None:
+        from kubernetes_asyncio.client import ApiException
+
+        if job_id in self.deleting:
+            return
+        try:
+            await self.custom.delete_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
+                                                              job_name(job_id), propagation_policy="Foreground")
+        except ApiException as error:
+            if error.status != 404:
+                raise
+        self.deleting.add(job_id)
+        self.log.info("gpupool job %s: Volcano Job %s deleted", job_id, job_name(job_id))
+
+
+def _from_phase(state: str) -> Ended:
+    """How a run ended when its pod's end was not seen (it ended and went while no hub watched)."""
+    if state == "succeeded":
+        return Ended(Event.SUCCEEDED, 0)
+    if state == "suspended":
+        return Ended(Event.SUSPENDED, None)
+    if state in ("failed", "cancelled"):
+        return Ended(Event.FAILED, None)
+    return Ended(Event.NODE_LOST, None)  # Volcano replaced its pod: not known to be the job's fault
+
+
+def _api_message(error) -> str:
+    try:
+        return json.loads(error.body).get("message") or str(error.reason)
+    except (TypeError, ValueError, AttributeError):
+        return str(getattr(error, "reason", error))
