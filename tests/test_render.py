@@ -241,6 +241,7 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
             "namedServerLimitPerUser": 2,
             "extraEnv": {
                 "GPUPOOL_POLICIES": "/etc/gpupool/policies",
+                "GPUPOOL_RELEASE": "gpupool",
                 "GPUPOOL_LEDGER_URL": {"valueFrom": {"configMapKeyRef": {"name": "gpupool-hub-env",
                                                                              "key": "GPUPOOL_LEDGER_URL"}}},
             },

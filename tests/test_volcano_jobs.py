@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from gpupool.hub.accounting.jobs import Job
+from gpupool.hub.accounting.restarts import Ended, Event
 from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR, load_policy
 from gpupool.policies.model import DNS_LABEL, Restarts, parse_quantity
 from gpupool.spawner.jobs import (
@@ -26,6 +27,7 @@ from gpupool.spawner.jobs import (
     VolcanoJobState,
     job_name,
     job_state,
+    pod_end,
     restart_policies,
     volcano_job,
 )
@@ -472,3 +474,39 @@ def test_job_names_are_one_to_one_dns_labels():
     assert job_name(JOB_ID) == "gpupool-job-0123456789ab"
     assert job_name("a" * 51) == "gpupool-job-" + "a" * 51
     assert len({job_name(i) for i in ("a", "a-1", "a1")}) == 3
+
+
+# --- how a run ended, read from its pod (gpupool.spawner.jobs.pod_end) -------------------------------------------
+
+
+def _pod(phase: str, *, exit_code: int | None = None, reason: str | None = None, disruption: str | None = None,
+         preemptable: bool = False) -> dict:
+    status: dict = {"phase": phase}
+    if exit_code is not None:
+        status["containerStatuses"] = [{"name": "train", "state": {"terminated": {"exitCode": exit_code}}}]
+    if reason:
+        status["reason"] = reason
+    if disruption:
+        status["conditions"] = [{"type": "DisruptionTarget", "status": "True", "reason": disruption}]
+    return {"metadata": {"annotations": {"volcano.sh/preemptable": "true" if preemptable else "false"}},
+            "status": status}
+
+
+@pytest.mark.parametrize("pod, deleted, ended", [
+    (_pod("Running"), False, None),
+    (_pod("Pending"), False, None),
+    (_pod("Succeeded", exit_code=0), False, Ended(Event.SUCCEEDED, 0)),
+    (_pod("Failed", exit_code=3), False, Ended(Event.FAILED, 3)),
+    (_pod("Failed", exit_code=137), False, Ended(Event.FAILED, 137)),
+    # the kubelet's node-pressure eviction: the node's doing, never the job's failure
+    (_pod("Failed", reason="Evicted"), False, Ended(Event.NODE_LOST, None)),
+    (_pod("Failed", exit_code=143, disruption="PreemptionByScheduler"), False, Ended(Event.PREEMPTED, 143)),
+    (_pod("Running", disruption="DeletionByTaintManager"), True, Ended(Event.NODE_LOST, None)),
+    # deleted while it ran, no condition: Volcano's preemption of preemptable work, else the node
+    (_pod("Running", preemptable=True), True, Ended(Event.PREEMPTED, None)),
+    (_pod("Running"), True, Ended(Event.NODE_LOST, None)),
+    # a pod that failed and was then deleted failed
+    (_pod("Failed", exit_code=1), True, Ended(Event.FAILED, 1)),
+])
+def test_how_a_run_ended_is_read_from_its_pod(pod, deleted, ended):
+    assert pod_end(pod, deleted=deleted) == ended
