@@ -84,7 +84,10 @@ class GPUPoolHub(JupyterHub):
         from gpupool.spawner.kubejobs import KubeJobRunner
         from gpupool.spawner.volcano import Release
 
-        settings = self._job_spawner(None)  # loads the Kubernetes client configuration as a spawner does
+        # A spawner of the hub's configuration (for no one: KubeSpawner expands its names from a user's name and
+        # id) loads the Kubernetes client configuration and holds the namespace, image and ledger settings.
+        settings = self.spawner_class(config=self.config, user=SimpleNamespace(name="gpupool-jobs", id=0, groups=[]),
+                                      hub=self.hub)
         if not settings.ledger_url:
             self.log.warning("gpupool: no GPUPOOL_LEDGER_URL: training jobs are not run")
             return
