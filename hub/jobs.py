@@ -98,8 +98,8 @@ def submit(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(job, indent=2))
     else:
-        print(f"job {job['id']} submitted: {job['state']}, team {job['team']}, {job['priority']} priority, "
-              f"checkpoints in {job['checkpoint_dir']}")
+        where = f"checkpoints in {job['checkpoint_dir']}" if job["checkpoint_dir"] else "no checkpoint folder"
+        print(f"job {job['id']} submitted: {job['state']}, team {job['team']}, {job['priority']} priority, {where}")
         print(f"follow it: gpupool jobs logs {job['id']} --follow")
     return 0
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from gpupool.hub.accounting.jobs import Job, env_problem
+from gpupool.hub.accounting.jobs import DEFAULT_CHECKPOINT_MOUNT, JOB_ID_LABEL, Job, env_problem
 from gpupool.hub.accounting.restarts import Ended, Event
 from gpupool.policies.choice import check_choice
 from gpupool.policies.identity import username_problem
@@ -29,10 +29,7 @@ JOB_PREFIX = "gpupool-job-"
 MAX_JOB_NAME = 63
 TASK = "train"
 CHECKPOINT_VOLUME = "checkpoints"
-#: Where the checkpoint claim is mounted when the job names no folder of its own.
-DEFAULT_CHECKPOINT_MOUNT = "/checkpoints"
 
-JOB_ID_LABEL = "gpupool.io/job-id"
 USER_LABEL = "gpupool.io/user"
 JOB_ID_ENV = "GPUPOOL_JOB_ID"
 #: Volcano's count of the Job's restarts when the pod was made (every cause: evictions too), from the

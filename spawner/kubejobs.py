@@ -265,6 +265,7 @@ class KubeJobRunner:
         if run is not None:
             await asyncio.to_thread(self.store.set_reason, job.id, f"restarted by Volcano: {state.reason}",
                                     ("running",))
+            self.log.info("gpupool job %s: run %d is Volcano's restart %d", job.id, run.attempt, state.retries)
 
     async def _give_back(self, holding: str | None) -> None:
         if holding:  # reserved, never billed

@@ -16,8 +16,8 @@ from typing import Any
 import yaml
 
 from gpupool.policies.model import DNS_LABEL, Policy
-from gpupool.spawner.wiring import (ACCOUNTING_SERVICE, CULLER_SERVICE, MLFLOW_SERVICE, mlflow_url, service_roles,
-                                    team_groups)
+from gpupool.spawner.wiring import (ACCOUNTING_SERVICE, CULLER_SERVICE, JOBS_SERVICE, MLFLOW_SERVICE, mlflow_url,
+                                    service_roles, team_groups)
 
 QUEUE_API_VERSION = "scheduling.volcano.sh/v1beta1"
 PRIORITY_CLASS_API_VERSION = "scheduling.k8s.io/v1"
@@ -37,6 +37,9 @@ ACCOUNTING_PORT = 8080
 #: The port of the idle culler's Deployment (helm/gpupool/templates/culler.yaml); its name and roles are the
 #: embedded mode's too.
 CULLER_PORT = 8080
+#: The port of the jobs service's Deployment (helm/gpupool/templates/jobs.yaml): the training jobs' REST API and
+#: page; the hub's job runner (`gpupool.spawner.kubejobs`) runs what it queues.
+JOBS_PORT = 8080
 #: The port of the MLflow Service (helm/gpupool values `mlflow.port`).
 MLFLOW_PORT = 5000
 #: Where user pods reach MLflow: through z2jh's proxy Service, behind the hub login.
@@ -87,6 +90,11 @@ class Release:
     def accounting_service(self) -> str:
         """The Kubernetes Service of the accounting Deployment (helm/gpupool/templates/accounting.yaml)."""
         return f"{self.name}-accounting"
+
+    @property
+    def jobs_service(self) -> str:
+        """The Kubernetes Service of the jobs service's Deployment (helm/gpupool/templates/jobs.yaml)."""
+        return f"{self.name}-jobs"
 
     @property
     def culler_service(self) -> str:
@@ -335,6 +343,7 @@ def jupyterhub_values(policy: Policy, release: Release, culler: bool = True) -> 
     services = {
         ACCOUNTING_SERVICE: {"url": f"http://{release.accounting_service}:{ACCOUNTING_PORT}"},
         MLFLOW_SERVICE: {"url": f"http://{release.mlflow_service}:{MLFLOW_PORT}"},
+        JOBS_SERVICE: {"url": f"http://{release.jobs_service}:{JOBS_PORT}"},
     }
     if culler:
         services[CULLER_SERVICE] = {"url": f"http://{release.culler_service}:{CULLER_PORT}"}
@@ -363,7 +372,7 @@ def jupyterhub_values(policy: Policy, release: Release, culler: bool = True) -> 
             "services": services,
             # The same roles as the embedded mode's (hub/config.py): the service gets exactly the scopes it
             # declares, and every user may open its pages, where the service decides what each one sees.
-            "loadRoles": service_roles(jobs=False, culler=culler),
+            "loadRoles": service_roles(culler=culler),
         },
         # Volcano places user pods; z2jh's user scheduler, its placeholders and its own PriorityClasses
         # would compete with the team queues and priorities.
@@ -409,6 +418,8 @@ def helm_values(policy: Policy, files: Mapping[str, str], release: Release, cull
             "accountingPort": ACCOUNTING_PORT,
             "cullerService": CULLER_SERVICE,
             "cullerPort": CULLER_PORT,
+            "jobsService": JOBS_SERVICE,
+            "jobsPort": JOBS_PORT,
             "policyDir": POLICY_DIR,
             "policiesDigest": policies_digest(files),
             "policies": {name: files[name] for name in sorted(files)},

@@ -74,7 +74,7 @@ def sharing_roles(policy: Policy) -> list[dict[str, Any]]:
 def service_roles(jobs: bool = True, culler: bool = True) -> dict[str, dict[str, Any]]:
     """Each service gets exactly its scopes; every user may open their pages (the services decide what they see).
 
-    `jobs`, `culler`: with the jobs service (the embedded mode; the chart has none yet) and the idle culler (both modes;
+    `jobs`, `culler`: with the jobs service and the idle culler (both modes;
     `gpupool render --no-culler` leaves it out of the chart's hub)."""
     roles = {
         ACCOUNTING_ROLE: {

@@ -126,7 +126,8 @@ def test_chart_renders_objects_that_pass_the_kubernetes_and_volcano_schemas(poli
     kinds = {(o["kind"], o["metadata"]["name"]) for o in rendered}
     assert {("Deployment", "pool-accounting"), ("Service", "pool-accounting"), ("Deployment", "pool-mlflow"),
             ("Service", "pool-mlflow"), ("Deployment", "pool-culler"), ("Service", "pool-culler"),
-            ("Ingress", "pool"), ("ConfigMap", "pool-policies"), ("PriorityClass", "gpupool-deprioritized")} <= kinds
+            ("Deployment", "pool-jobs"), ("Service", "pool-jobs"), ("Ingress", "pool"), ("ConfigMap", "pool-policies"),
+            ("PriorityClass", "gpupool-deprioritized")} <= kinds
     assert len(rendered) == len({key(o) for o in rendered}), "an object is rendered twice"
 
 
@@ -165,13 +166,21 @@ def test_the_jupyterhub_wiring_points_at_what_the_chart_creates():
     assert deployment["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     assert {m["mountPath"] for m in container["volumeMounts"]} == {"/etc/gpupool/policies", "/tmp"}
     # Zero-to-JupyterHub's NetworkPolicy admits to the hub's API only the pods it labels so: every service calls it.
-    for name in ("pool-accounting", "pool-culler"):
+    for name in ("pool-accounting", "pool-culler", "pool-jobs"):
         labels = rendered[("Deployment", NAMESPACE, name)]["spec"]["template"]["metadata"]["labels"]
         assert labels["hub.jupyter.org/network-access-hub"] == "true", name
     # The hub records usage in the same ledger, with the same password Secret.
     ledger = hub["extraEnv"]["GPUPOOL_LEDGER_URL"]["valueFrom"]["configMapKeyRef"]
     assert rendered[("ConfigMap", NAMESPACE, ledger["name"])]["data"][ledger["key"]] == env["GPUPOOL_LEDGER_URL"]["value"]
     assert hub["extraEnv"]["PGPASSWORD"] == {"valueFrom": env["PGPASSWORD"]["valueFrom"]}
+    # The jobs service: registered at its Service, in its Kubernetes mode (the hub's runner makes Volcano Jobs).
+    jobs = rendered[("Deployment", NAMESPACE, "pool-jobs")]["spec"]["template"]["spec"]
+    assert hub["services"]["jobs"]["url"] == \
+        f"http://pool-jobs:{rendered[('Service', NAMESPACE, 'pool-jobs')]['spec']['ports'][0]['port']}"
+    jobs_env = {e["name"]: e.get("value") for e in jobs["containers"][0]["env"]}
+    assert jobs["containers"][0]["command"] == ["python", "-m", "gpupool.hub.accounting.jobs_service"]
+    assert jobs_env["GPUPOOL_JOBS_MODE"] == "kubernetes" and jobs_env["JUPYTERHUB_SERVICE_PREFIX"] == "/services/jobs/"
+    assert jobs["automountServiceAccountToken"] is False  # it writes the ledger's jobs table; the hub talks to Kubernetes
     # Optional parts stay out unless asked for.
     assert not [k for k in rendered if k[0] == "Ingress" or k[2] == "pool-mlflow"]
 

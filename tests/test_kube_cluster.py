@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from fractions import Fraction
 from pathlib import Path
@@ -651,3 +652,88 @@ async def test_a_preempted_job_resumes_without_a_retry_counted_succeeds_and_a_ca
         assert volcano_job_of(cluster, never.id) is None and jobs.store.get(never.id).runs == 0
     finally:
         await runner.stop()
+
+
+#: The jobs service in its Kubernetes mode, as the chart runs it (templates/jobs.yaml).
+KUBE_JOBS = """
+for _service in c.JupyterHub.services:
+    if _service["name"] == "jobs":
+        _service["environment"]["GPUPOOL_JOBS_MODE"] = "kubernetes"
+"""
+
+
+def test_a_job_submitted_with_the_cli_runs_as_a_volcano_job_restarts_outlives_a_hub_restart_and_is_cancelled(
+        cluster, tmp_path, monkeypatch):
+    """The person's path: `gpupool jobs submit` from a folder, with the user's own token, through the hub's proxy
+    to the jobs service; the real hub's job runner makes the Volcano Job (the job controller double runs it)."""
+    from gpupool.hub.harness import Hub, platform_command
+
+    policies = kube.policy_copy(tmp_path, queue_timeout=240)
+    cluster.kubectl("apply", "--server-side", "-f", "-",
+                    input=gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path))
+    monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    singleuser = str(Path(sys.executable).with_name("jupyterhub-singleuser"))
+    hub = Hub(tmp_path / "hub", {p.name: p.read_text() for p in policies.glob("*.yaml")},
+              KUBE_HUB.format(namespace=NAMESPACE, singleuser=singleuser) + KUBE_JOBS, mlflow=False)
+    folder = tmp_path / "project"
+    folder.mkdir()
+
+    def cli(*args: str) -> str:
+        env = {**os.environ, "JUPYTERHUB_API_TOKEN": token, "GPUPOOL_HUB_URL": hub.url + "/"}
+        done = subprocess.run([str(platform_command(None)), "jobs", *args], cwd=folder, env=env, capture_output=True,
+                              text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr + done.stdout
+        return done.stdout
+
+    def shown(job_id: str) -> dict:
+        return json.loads(cli("show", job_id, "--json"))
+
+    def wait(what: str, check, timeout: float = 120):
+        deadline = time.monotonic() + timeout
+        while not (value := check()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}\n{hub.log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        return value
+
+    with kc.VolcanoJobControllerDouble(cluster, NAMESPACE):
+        hub.start()
+        try:
+            hub.add_user("alice", "vision")
+            token = hub.user_token("alice")
+            said = cli("submit", "--profile", "h200-quarter", "--max-restarts", "1", "--workdir", "/tmp", "--",
+                       "python", "train.py")
+            job_id = said.split()[1]
+            assert "no checkpoint folder" in said  # the example policy names no checkpoint claim
+            pod = wait("the job's pod Running", lambda: running_pod(cluster, job_id, 0))
+            assert pod["metadata"]["labels"]["gpupool.io/user"] == "alice"
+            assert {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}["GPUPOOL_JOB_ID"] == job_id
+            wait("running", lambda: shown(job_id)["state"] == "running")
+            assert job_id in cli("list") and "running" in cli("list")
+
+            fail_through_kwok(cluster, pod, 3)
+            job = wait("run 2", lambda: len((j := shown(job_id))["runs"]) == 2 and j["state"] == "running" and j)
+            assert job["restarts"] == 1
+            assert [(r["event"], r["exit_code"], r["counted"]) for r in job["runs"]] == [("failed", 3, True),
+                                                                                        (None, None, False)]
+
+            hub.kill()  # the hub crashes while the job runs, and comes back: the job goes on, its run the same
+            hub.start()
+            job = shown(job_id)
+            assert (job["state"], len(job["runs"])) == ("running", 2) and running_pod(cluster, job_id, 1) is not None
+
+            logs = subprocess.run([str(platform_command(None)), "jobs", "logs", job_id], cwd=folder, env={
+                **os.environ, "JUPYTERHUB_API_TOKEN": token, "GPUPOOL_HUB_URL": hub.url + "/"},
+                capture_output=True, text=True, timeout=120)
+            assert logs.returncode != 0 and f"kubectl logs -l gpupool.io/job-id={job_id}" in logs.stderr
+
+            cli("cancel", job_id)
+            job = wait("cancelled", lambda: (j := shown(job_id))["state"] == "cancelled" and j)
+            wait("the Volcano Job deleted", lambda: volcano_job_of(cluster, job_id) is None)
+            wait("its pod deleted", lambda: job_pod(cluster, job_id) is None)
+            ledger = get_ledger(hub.ledger_url)
+            runs = billed_runs(ledger, job_id)
+            assert [i.how for i in runs] == [HowEnded.FAILED, HowEnded.STOPPED]
+        finally:
+            hub.stop()

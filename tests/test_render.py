@@ -252,6 +252,7 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
             "services": {
                 "accounting": {"url": "http://gpupool-accounting:8080", "oauth_no_confirm": True, "display": True},
                 "mlflow": {"url": "http://gpupool-mlflow:5000", "oauth_no_confirm": True, "display": True},
+                "jobs": {"url": "http://gpupool-jobs:8080", "oauth_no_confirm": True, "display": True},
                 "culler": {"url": "http://gpupool-culler:8080", "oauth_no_confirm": True, "display": True},
             },
             "loadRoles": {
@@ -265,6 +266,11 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
                     "scopes": [],
                     "services": ["mlflow"],
                 },
+                "gpupool-jobs": {
+                    "description": "gpupool-jobs: training jobs' API and page; no hub scopes",
+                    "scopes": [],
+                    "services": ["jobs"],
+                },
                 "gpupool-culler": {
                     "description": "gpupool-culler warns, then stops, servers whose GPU share sits idle",
                     "scopes": ["list:users", "read:users:name", "read:servers", "admin:server_state",
@@ -272,7 +278,7 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
                     "services": ["culler"],
                 },
                 "user": {"scopes": ["self", "access:services!service=accounting", "access:services!service=mlflow",
-                                    "access:services!service=culler"]},
+                                    "access:services!service=jobs", "access:services!service=culler"]},
             },
         },
         "scheduling": {
@@ -289,10 +295,11 @@ def test_the_culler_role_has_exactly_its_scopes_and_without_the_culler_nothing_o
     assert hub["loadRoles"]["gpupool-culler"]["scopes"] == list(CULLER_SCOPES)
     assert hub["loadRoles"]["gpupool-culler"]["services"] == ["culler"]
     without = volcano.jupyterhub_values(policy, release, culler=False)
-    assert set(without["hub"]["services"]) == {"accounting", "mlflow"}
-    assert set(without["hub"]["loadRoles"]) == {"gpupool-accounting", "gpupool-mlflow", "user"}
+    assert set(without["hub"]["services"]) == {"accounting", "mlflow", "jobs"}
+    assert set(without["hub"]["loadRoles"]) == {"gpupool-accounting", "gpupool-mlflow", "gpupool-jobs", "user"}
     assert without["hub"]["loadRoles"]["user"]["scopes"] == [
-        "self", "access:services!service=accounting", "access:services!service=mlflow"]
+        "self", "access:services!service=accounting", "access:services!service=mlflow",
+        "access:services!service=jobs"]
     # Everything else is the same wiring.
     for section in (hub, without["hub"]):
         section.pop("services"), section.pop("loadRoles")

@@ -168,6 +168,12 @@ def resolve(policy: Policy, user: str, teams: Iterable[str], submission: JobSubm
     return Resolved(team, submission.profile, priority, preemptible, max_restarts, image)
 
 
+#: Kubernetes mode: where a job's checkpoint folder (its `USER/JOB` folder of the policy's `jobs.checkpoint_claim`)
+#: is mounted when the submission names none.
+DEFAULT_CHECKPOINT_MOUNT = "/checkpoints"
+#: Kubernetes mode: the label of a job's Volcano Job and pods that names the job.
+JOB_ID_LABEL = "gpupool.io/job-id"
+
 #: How a run's ledger interval ends, by how the run ended (both modes' runners).
 LEDGER_END: dict[Event, HowEnded] = {
     Event.SUCCEEDED: HowEnded.STOPPED, Event.FAILED: HowEnded.FAILED, Event.PREEMPTED: HowEnded.PREEMPTED,

@@ -25,7 +25,8 @@ from tornado import ioloop, web
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import format_hours
 from gpupool.hub.accounting.jobs import (
-    JOB_ID, Job, JobRefused, JobStore, JobSubmission, default_checkpoint_dir, job_log, log_tail, resolve,
+    DEFAULT_CHECKPOINT_MOUNT, JOB_ID, JOB_ID_LABEL, Job, JobRefused, JobStore, JobSubmission, default_checkpoint_dir,
+    job_log, log_tail, resolve,
 )
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.reports import job_usage, money
@@ -38,6 +39,9 @@ from gpupool.spawner.images import default_images_dir, image_prefix
 log = logging.getLogger("gpupool.jobs")
 #: The most of a log one request returns (`GET …/log`); more comes with the next offset.
 LOG_CHUNK = 256 * 1024
+#: `embedded` (the default: the hub process runs the jobs on this machine) or `kubernetes` (the hub submits them
+#: as Volcano Jobs: images are the cluster's to pull, checkpoints go on the policy's claim, output in the pods).
+MODE_ENV = "GPUPOOL_JOBS_MODE"
 #: Lines of the log's tail on the job's page and in `GET /api/jobs/ID`.
 TAIL_LINES = 40
 
@@ -133,7 +137,8 @@ class ListHandler(JobsHandler):
                                submission)
         except JobRefused as refused:
             raise web.HTTPError(refused.status, str(refused)) from None
-        if resolved.image is not None:  # its runs start from the image's environment on this machine
+        kubernetes = self.settings["kubernetes"]
+        if resolved.image is not None and not kubernetes:  # its runs start from the image's environment here
             environment = policy.profiles[resolved.profile].images[resolved.image].environment
             if image_prefix(self.settings["images_dir"], environment, "") is None:
                 raise web.HTTPError(409, f"image {resolved.image!r} of profile {resolved.profile!r} is not installed "
@@ -143,9 +148,11 @@ class ListHandler(JobsHandler):
         if key is not None and not (0 < len(key) <= 200 and key.isprintable()):
             raise web.HTTPError(400, "Idempotency-Key must be 1 to 200 printable characters")
         job = self.store.submit(viewer.name, resolved, submission, periods.utcnow(), key=key)
-        if job.checkpoint_dir is None:  # its own folder in the team's storage, now that it has an id
+        if job.checkpoint_dir is None and not kubernetes:  # its own folder in the team's storage, now it has an id
             job = self.store.set_checkpoint_dir(
                 job.id, str(default_checkpoint_dir(self.settings["team_root"], job.team, job.user, job.id)))
+        elif job.checkpoint_dir is None and policy.jobs.checkpoint_claim:  # its folder of the claim, mounted there
+            job = self.store.set_checkpoint_dir(job.id, DEFAULT_CHECKPOINT_MOUNT)
         self.set_status(201)
         self.set_header("Location", f"{self.settings['prefix']}api/jobs/{job.id}")
         self.write_json(self.detail(job, tail=False))
@@ -179,6 +186,9 @@ class LogHandler(JobsHandler):
     @web.authenticated
     def get(self, job_id: str):
         job = self.job_or_404(job_id)
+        if self.settings["kubernetes"]:
+            raise web.HTTPError(409, f"in the Kubernetes mode a job's output is its pod's log, which gpupool does not "
+                                     f"keep yet: kubectl logs -l {JOB_ID_LABEL}={job.id} (in the hub's namespace)")
         text = self.get_argument("offset", "0")
         if not text.isdigit():
             raise web.HTTPError(400, f"offset must be a whole number of bytes, not {text[:20]!r}")
@@ -295,7 +305,8 @@ class OpenAPIHandler(web.RequestHandler):
 
 
 def make_app(ledger: Ledger, policy_dir: str, prefix: str, state_dir: str, team_root: str, base_url: str = "/",
-             nav_services: tuple[str, ...] = ("jobs",), images_dir: str | None = None) -> web.Application:
+             nav_services: tuple[str, ...] = ("jobs",), images_dir: str | None = None,
+             kubernetes: bool = False) -> web.Application:
     job = r"([a-f0-9]{12})"
     return web.Application(
         [
@@ -312,7 +323,7 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str, state_dir: str, team_
         ],
         ledger=ledger, store=JobStore(ledger.engine), policy_dir=policy_dir, state_dir=state_dir,
         team_root=team_root, images_dir=images_dir or default_images_dir(), cookie_secret=os.urandom(32),
-        prefix=prefix, base_url=base_url,
+        prefix=prefix, base_url=base_url, kubernetes=kubernetes,
         nav_services=tuple(nav_services), templates=page_templates(), max_body_size=MAX_BODY_BYTES, home_label="Your jobs",
         default_handler_class=NotFoundHandler,
     )
@@ -331,7 +342,7 @@ def main(argv=None) -> None:
     nav = tuple(n for n in _env("GPUPOOL_NAV_SERVICES", "jobs").split(",") if n)
     app = make_app(ledger, _env("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR)), prefix, state_dir,
                    _env("GPUPOOL_TEAM_ROOT", str(defaults.team_root(state_dir))), _env("JUPYTERHUB_BASE_URL", "/"),
-                   nav)
+                   nav, kubernetes=_env(MODE_ENV, "embedded") == "kubernetes")
     url = urlparse(_env("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:8005"))
     app.listen(url.port or 80, url.hostname or "127.0.0.1")
     log.info("gpupool-jobs at %s%s", url.geturl(), prefix)
