@@ -95,10 +95,17 @@ class GPUPoolHub(JupyterHub):
         runner = KubeJobRunner(JobStore(ledger.engine), ledger, lambda: settings.policy,
                                shared_client("CustomObjectsApi"), shared_client("CoreV1Api"), settings.namespace,
                                Release(os.environ.get("GPUPOOL_RELEASE", "gpupool"), settings.namespace),
-                               settings.image, self.log)
+                               settings.image, self.log, storage_of=self._job_storage)
         await runner.start()
         self.job_runner = runner
         self.log.info("gpupool: Kubernetes job runner started (Volcano Jobs in namespace %s)", settings.namespace)
+
+    async def _job_storage(self, job) -> dict:
+        """The user's storage as GPUKubeSpawner mounts it in their servers (z2jh's `singleuser.storage`: the home
+        claim), expanded for the job's user, and the pod's user and groups: a job sees its notebooks' files."""
+        orm_user = orm.User.find(self.db, job.user)
+        user = SimpleNamespace(name=job.user, id=orm_user.id if orm_user is not None else 0, groups=[])
+        return self.spawner_class(config=self.config, user=user, hub=self.hub).user_storage()
 
     def _job_spawner(self, job):
         """A spawner of the hub's configuration for `job`'s user (None: the settings only): every setting a

@@ -68,15 +68,26 @@ class JobSpec:
     #: The PersistentVolumeClaim the checkpoints live on; None: the job has no checkpoint folder.
     checkpoint_claim: str | None = None
     checkpoint_mount: str = DEFAULT_CHECKPOINT_MOUNT
+    #: The user's storage as the hub's spawner mounts it in their servers (KubeSpawner's `volumes` and
+    #: `volume_mounts`, expanded for the user: z2jh's home claim), so a job sees the files of its notebooks.
+    volumes: tuple[Mapping[str, Any], ...] = ()
+    volume_mounts: tuple[Mapping[str, Any], ...] = ()
+    #: The pod's securityContext as the spawner sets it for servers (runAsUser, runAsGroup, fsGroup).
+    security_context: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_job(cls, job: Job, policy: Policy, *, deprioritized: bool, image: str | None = None) -> JobSpec:
-        """The spec of a job of the ledger's database: grace period and checkpoint claim from `policy.jobs`."""
+    def from_job(cls, job: Job, policy: Policy, *, deprioritized: bool, image: str | None = None,
+                 storage: Mapping[str, Any] | None = None) -> JobSpec:
+        """The spec of a job of the ledger's database: grace period and checkpoint claim from `policy.jobs`;
+        `storage`: the user's `volumes`, `volume_mounts` and `security_context` as their servers get them."""
+        storage = storage or {}
         return cls(job_id=job.id, user=job.user, team=job.team, profile=job.profile, command=tuple(job.command),
                    image=image, env=dict(job.env), workdir=job.workdir, max_restarts=job.max_restarts,
                    preemptible=job.preemptible, deprioritized=deprioritized, grace_seconds=policy.jobs.grace_seconds,
                    checkpoint_claim=policy.jobs.checkpoint_claim,
-                   checkpoint_mount=job.checkpoint_dir or DEFAULT_CHECKPOINT_MOUNT)
+                   checkpoint_mount=job.checkpoint_dir or DEFAULT_CHECKPOINT_MOUNT,
+                   volumes=tuple(storage.get("volumes") or ()), volume_mounts=tuple(storage.get("volume_mounts") or ()),
+                   security_context=dict(storage.get("security_context") or {}))
 
 
 def job_name(job_id: str) -> str:
@@ -141,6 +152,10 @@ def _check(spec: JobSpec, namespace: str) -> None:
             raise ValueError(f"checkpoint claim {spec.checkpoint_claim!r} is not a PersistentVolumeClaim name "
                              "(accepted: lower-case letters, digits and '-', at most 63 characters)")
         _absolute_path("checkpoint folder", spec.checkpoint_mount)
+    names = [v.get("name") for v in spec.volumes] + ([CHECKPOINT_VOLUME] if spec.checkpoint_claim else [])
+    if len(names) != len(set(names)) or not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"the job's volumes need distinct names ({CHECKPOINT_VOLUME!r} is the checkpoint claim's); "
+                         f"got {names}")
 
 
 def volcano_job(spec: JobSpec, policy: Policy, release: Release, namespace: str, *,
@@ -204,12 +219,19 @@ def volcano_job(spec: JobSpec, policy: Policy, release: Release, namespace: str,
         pod_spec["nodeSelector"] = pod.node_selector
     if pod.tolerations:
         pod_spec["tolerations"] = pod.tolerations
+    if spec.security_context:
+        pod_spec["securityContext"] = dict(spec.security_context)
+    volumes = [dict(v) for v in spec.volumes]
+    mounts = [dict(m) for m in spec.volume_mounts]
     if spec.checkpoint_claim is not None:
         # In the pod template rather than Volcano's `spec.volumes`, which cannot mount a folder of a claim.
-        container["volumeMounts"] = [{"name": CHECKPOINT_VOLUME, "mountPath": spec.checkpoint_mount,
-                                      "subPath": f"{spec.user}/{spec.job_id}"}]
-        pod_spec["volumes"] = [{"name": CHECKPOINT_VOLUME,
-                                "persistentVolumeClaim": {"claimName": spec.checkpoint_claim}}]
+        mounts.append({"name": CHECKPOINT_VOLUME, "mountPath": spec.checkpoint_mount,
+                       "subPath": f"{spec.user}/{spec.job_id}"})
+        volumes.append({"name": CHECKPOINT_VOLUME, "persistentVolumeClaim": {"claimName": spec.checkpoint_claim}})
+    if mounts:
+        container["volumeMounts"] = mounts
+    if volumes:
+        pod_spec["volumes"] = volumes
 
     job_labels = {**labels(release, "job", spec.team), **pod.labels, JOB_ID_LABEL: spec.job_id,
                   USER_LABEL: spec.user}

@@ -76,6 +76,7 @@ UPSTREAM_INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("kubespawner.KubeSpawner", "_start", ("self",)),  # overridden: admission runs before the pod
     ("kubespawner.KubeSpawner", "_make_create_pod_request", ("self", "pod", "request_timeout")),  # sanitizes
     ("kubespawner.KubeSpawner", "_get_reflector_key", ("self", "kind")),  # PodGroup reflectors beside its own
+    ("kubespawner.KubeSpawner", "_expand_all", ("self", "src")),  # the hub mounts a user's storage in their jobs
     ("kubespawner.KubeSpawner", "reflectors", None),  # the class-level reflector registry
     ("kubespawner.KubeSpawner", "pod_reflector", None),
     ("kubespawner.KubeSpawner", "event_reflector", None),
@@ -725,6 +726,14 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
                 with contextlib.suppress(BaseException):
                     await upcoming
             await events.aclose()
+
+    def user_storage(self) -> dict[str, Any]:
+        """The user's storage as their servers get it (`volumes`, `volume_mounts`: z2jh's home claim, expanded
+        for this spawner's user) and the pod's user and groups: what a training job of theirs mounts too."""
+        security = {key: value for key, value in (("runAsUser", self.uid), ("runAsGroup", self.gid),
+                                                  ("fsGroup", self.fs_gid)) if isinstance(value, int)}
+        return {"volumes": self._expand_all(self.volumes), "volume_mounts": self._expand_all(self.volume_mounts),
+                "security_context": security}
 
     # --- state across hub restarts ---------------------------------------------------------------------
 

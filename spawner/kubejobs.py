@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -67,10 +67,12 @@ class KubeJobRunner:
     """Submits, watches and ends the Volcano Jobs of the jobs in `store`, in `namespace`."""
 
     def __init__(self, store: JobStore, ledger: Ledger, policy_of: Callable[[], Policy], custom, core,
-                 namespace: str, release: Release, default_image: str, log, tick: float = TICK_S):
+                 namespace: str, release: Release, default_image: str, log, tick: float = TICK_S,
+                 storage_of: Callable[[Job], Awaitable[Mapping[str, Any]]] | None = None):
         """`custom`, `core`: kubernetes_asyncio's CustomObjectsApi and CoreV1Api (the spawner's clients);
-        `default_image`: what profiles without image choices run (the hub's notebook image)."""
-        self.store, self.ledger, self.policy_of = store, ledger, policy_of
+        `default_image`: what profiles without image choices run (the hub's notebook image); `storage_of(job)`:
+        the user's `volumes`, `volume_mounts` and `security_context` as the hub's spawner gives their servers."""
+        self.store, self.ledger, self.policy_of, self.storage_of = store, ledger, policy_of, storage_of
         self.custom, self.core, self.namespace, self.release = custom, core, namespace, release
         self.default_image, self.log, self.tick_s = default_image, log, tick
         #: From the pod watch, by (job id, Volcano restart): how that pod's run ended, when its container ran.
@@ -219,8 +221,9 @@ class KubeJobRunner:
             deprioritized = decision.priority == LOWEST_PRIORITY
         image = job.image if job.image in profile.images else None
         try:
-            manifest = volcano_job(JobSpec.from_job(job, policy, deprioritized=deprioritized, image=image), policy,
-                                   self.release, self.namespace, default_image=self.default_image)
+            storage = await self.storage_of(job) if self.storage_of is not None else None
+            spec = JobSpec.from_job(job, policy, deprioritized=deprioritized, image=image, storage=storage)
+            manifest = volcano_job(spec, policy, self.release, self.namespace, default_image=self.default_image)
         except ValueError as error:
             await self._give_back(holding)
             await asyncio.to_thread(self.store.refuse, job.id, f"cannot run in the cluster: {error}", now)

@@ -654,8 +654,13 @@ async def test_a_preempted_job_resumes_without_a_retry_counted_succeeds_and_a_ca
         await runner.stop()
 
 
-#: The jobs service in its Kubernetes mode, as the chart runs it (templates/jobs.yaml).
+#: The jobs service in its Kubernetes mode, as the chart runs it (templates/jobs.yaml), and the users' storage as
+#: z2jh's `singleuser.storage` and `uid`/`fsGid` configure KubeSpawner (a host path stands in for the home claim).
 KUBE_JOBS = """
+c.KubeSpawner.volumes = [{"name": "home-{username}", "hostPath": {"path": "/srv/homes/{username}"}}]
+c.KubeSpawner.volume_mounts = [{"name": "home-{username}", "mountPath": "/home/jovyan"}]
+c.KubeSpawner.uid = 1000
+c.KubeSpawner.fs_gid = 100
 for _service in c.JupyterHub.services:
     if _service["name"] == "jobs":
         _service["environment"]["GPUPOOL_JOBS_MODE"] = "kubernetes"
@@ -702,13 +707,19 @@ def test_a_job_submitted_with_the_cli_runs_as_a_volcano_job_restarts_outlives_a_
         try:
             hub.add_user("alice", "vision")
             token = hub.user_token("alice")
-            said = cli("submit", "--profile", "h200-quarter", "--max-restarts", "1", "--workdir", "/tmp", "--",
-                       "python", "train.py")
+            said = cli("submit", "--profile", "h200-quarter", "--max-restarts", "1", "--workdir",
+                       "/home/jovyan/project", "--", "python", "train.py")
             job_id = said.split()[1]
             assert "no checkpoint folder" in said  # the example policy names no checkpoint claim
             pod = wait("the job's pod Running", lambda: running_pod(cluster, job_id, 0))
             assert pod["metadata"]["labels"]["gpupool.io/user"] == "alice"
             assert {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}["GPUPOOL_JOB_ID"] == job_id
+            # alice's storage as her servers get it: the job works in her home, as her user
+            assert pod["spec"]["volumes"][0] == {"name": "home-alice", "hostPath": {"path": "/srv/homes/alice",
+                                                                                    "type": ""}}
+            assert pod["spec"]["containers"][0]["volumeMounts"][0]["mountPath"] == "/home/jovyan"
+            assert pod["spec"]["containers"][0]["workingDir"] == "/home/jovyan/project"
+            assert pod["spec"]["securityContext"] == {"runAsUser": 1000, "fsGroup": 100}
             wait("running", lambda: shown(job_id)["state"] == "running")
             assert job_id in cli("list") and "running" in cli("list")
 

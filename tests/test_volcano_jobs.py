@@ -204,7 +204,7 @@ def test_every_profile_renders_a_job_volcano_and_kubernetes_accept(policies, crd
     seen = set()
     for policy, slug, team, image in every_profile(policies):
         for changes in ({}, {"max_restarts": 3, "checkpoint_claim": "ckpt", "workdir": "/work", "preemptible": True},
-                        {"deprioritized": True, "env": {"A": "1"}}):
+                        {"deprioritized": True, "env": {"A": "1"}}, HOME_STORAGE):
             job = render(policy, team=team, profile=slug, image=image, **changes)
             checks.validate(job, crds)  # the CRD's schema, strict, and the name
             assert webhook_problems(job) == []
@@ -367,6 +367,29 @@ def test_grace_period_checkpoint_volume_and_environment(examples):
     assert names.index("GPUPOOL_CHECKPOINT_DIR") < names.index("OUT")
     assert container(job)["image"] == IMAGE  # a profile without image choices runs the platform's image
     assert "workingDir" not in container(job)
+
+
+#: z2jh's default user storage as KubeSpawner's configuration expands it for alice (`singleuser.storage`).
+HOME_STORAGE = {
+    "volumes": ({"name": "volume-alice", "persistentVolumeClaim": {"claimName": "claim-alice"}},),
+    "volume_mounts": ({"name": "volume-alice", "mountPath": "/home/jovyan"},),
+    "security_context": {"runAsUser": 1000, "fsGroup": 100},
+    "checkpoint_claim": "team-ckpt",
+}
+
+
+def test_a_job_mounts_its_users_storage_as_their_servers_do_beside_the_checkpoint_claim(examples):
+    job = render(examples, workdir="/home/jovyan/project", **HOME_STORAGE)
+    assert template(job)["spec"]["volumes"] == [
+        {"name": "volume-alice", "persistentVolumeClaim": {"claimName": "claim-alice"}},
+        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "team-ckpt"}}]
+    assert container(job)["volumeMounts"] == [
+        {"name": "volume-alice", "mountPath": "/home/jovyan"},
+        {"name": "checkpoints", "mountPath": "/checkpoints", "subPath": f"alice/{JOB_ID}"}]
+    assert template(job)["spec"]["securityContext"] == {"runAsUser": 1000, "fsGroup": 100}
+    assert container(job)["workingDir"] == "/home/jovyan/project"  # where `gpupool jobs submit` ran, in the home
+    with pytest.raises(ValueError, match="distinct names"):
+        render(examples, volumes=({"name": "checkpoints", "emptyDir": {}},), checkpoint_claim="team-ckpt")
 
 
 def test_without_a_claim_there_is_no_checkpoint_folder(examples):
