@@ -184,14 +184,18 @@ class Hub:
             self.process.kill()
             self.process.wait(30)
 
-    def kill_leftovers(self) -> None:
-        """SIGKILL every process still running from this hub's folder (its servers, which a stopped hub leaves
-        running by design, jobs, services): by command line or working directory."""
+    def kill_leftovers(self, *folders: Path) -> None:
+        """SIGKILL every process still running from this hub's folder or `folders` (its servers, which a stopped
+        hub leaves running by design, jobs, services), by command line or working directory, and the proxy of a
+        killed hub (whose command line names no folder)."""
         import psutil
 
-        folder = str(self.log.parent)
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((self.state / "proxy.pid").read_text()), signal.SIGKILL)
+        names = [str(self.log.parent), *map(str, folders)]
         for process in psutil.process_iter(["cmdline", "cwd"]):
-            if folder in " ".join(process.info["cmdline"] or []) or folder in (process.info["cwd"] or ""):
+            line, cwd = " ".join(process.info["cmdline"] or []), process.info["cwd"] or ""
+            if any(name in line or name in cwd for name in names):
                 with contextlib.suppress(psutil.Error):
                     process.kill()
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import LOWEST_PRIORITY, Reason
 from gpupool.hub.accounting.jobs import (
-    LEDGER_END, Job, JobStore, Run, default_checkpoint_dir, job_log, priority_order,
+    LEDGER_END, Job, JobStore, Run, default_checkpoint_dir, job_log, policy_problem, priority_order,
 )
 from gpupool.hub.accounting.ledger import HowEnded, Ledger, job_run_key
 from gpupool.hub.accounting.preemption import Holder, victims
@@ -281,11 +281,11 @@ class JobRunner:
         holding, allocation = None, None
         try:
             policy = self.policy_of()
-            profile = policy.profiles.get(job.profile)
-            if profile is None or job.team not in policy.teams:
-                await asyncio.to_thread(self.store.refuse, job.id, f"the policy no longer has profile {job.profile!r} "
-                                        f"or team {job.team!r}", periods.utcnow())
+            problem = policy_problem(policy, job)
+            if problem:
+                await asyncio.to_thread(self.store.refuse, job.id, problem, periods.utcnow())
                 return
+            profile = policy.profiles[job.profile]
             queued = periods.utcnow()
             if profile.gpu is not None:
                 holding = job_run_key(job.id, queued)

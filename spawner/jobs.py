@@ -374,13 +374,15 @@ def pod_end(pod: Mapping[str, Any], *, deleted: bool = False) -> Ended | None:
 
 
 def running_since(pod: Mapping[str, Any]) -> str | None:
-    """When the pod's container started running (RFC 3339, as the API gives it), None if it does not run."""
+    """When the pod's container started running (RFC 3339, as the API gives it), also once it has ended; None if
+    it never ran."""
     status = pod.get("status") or {}
-    if status.get("phase") != "Running" or (pod.get("metadata") or {}).get("deletionTimestamp"):
+    if status.get("phase") not in ("Running", "Succeeded", "Failed"):
         return None
     for container in status.get("containerStatuses") or []:
         if container.get("name") == TASK:
-            started = ((container.get("state") or {}).get("running") or {}).get("startedAt")
+            state = container.get("state") or {}
+            started = (state.get("running") or state.get("terminated") or {}).get("startedAt")
             if started:
                 return started
-    return status.get("startTime")
+    return status.get("startTime")  # when the kubelet took the pod: its container's start, near enough

@@ -36,7 +36,7 @@ from typing import Any
 
 from gpupool.hub.accounting import notify, periods
 from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest
-from gpupool.hub.accounting.jobs import LEDGER_END, Job, JobStore, Run, priority_order
+from gpupool.hub.accounting.jobs import LEDGER_END, Job, JobStore, Run, policy_problem, priority_order
 from gpupool.hub.accounting.ledger import HowEnded, Ledger, job_run_key
 from gpupool.hub.accounting.restarts import Action, Ended, Event, Next
 from gpupool.policies.model import Policy
@@ -147,6 +147,13 @@ class KubeJobRunner:
                 version = None
                 await asyncio.sleep(1)
 
+    async def _look(self, job_id: str) -> None:
+        """Read the job's pods now (what the watch will tell, told sooner)."""
+        reply = await self.core.list_namespaced_pod(self.namespace, label_selector=f"{JOB_ID_LABEL}={job_id}",
+                                                    _preload_content=False)
+        for pod in json.loads(await reply.read()).get("items") or []:
+            self.see_pod(pod)
+
     def see_pod(self, pod: Mapping[str, Any], deleted: bool = False) -> None:
         """Note what a pod of a job says: when its container started, how it ended (the first end seen wins:
         a pod that failed and was then deleted failed)."""
@@ -200,11 +207,11 @@ class KubeJobRunner:
         """Through the one door, then to Volcano: a waiting job without a Volcano Job."""
         from kubernetes_asyncio.client import ApiException
 
-        profile = policy.profiles.get(job.profile)
-        if profile is None or job.team not in policy.teams:
-            await asyncio.to_thread(self.store.refuse, job.id, f"the policy no longer has profile {job.profile!r} "
-                                    f"or team {job.team!r}", periods.utcnow())
+        problem = policy_problem(policy, job)
+        if problem:
+            await asyncio.to_thread(self.store.refuse, job.id, problem, periods.utcnow())
             return
+        profile = policy.profiles[job.profile]
         now = periods.utcnow()
         holding, deprioritized = None, False
         if profile.gpu is not None:
@@ -292,8 +299,14 @@ class KubeJobRunner:
             return
         state = job_state(found)
         retry = run.cluster_retry or 0
-        if state.retries > retry or state.state in OVER:
+        over = state.retries > retry or state.state in OVER
+        if over and (job.id, retry) not in self.ends:
+            await self._look(job.id)  # the watch may not have told yet: the pod itself, if it is still there
+        since = parse_time(self.started.get((job.id, retry)))
+        if over:
             ended = self.ends.get((job.id, retry)) or _from_phase(state.state)
+            if since is not None and run.holding is not None:  # billed from its start, however short it ran
+                await self._bill(job, run, since, policy, again=True)
             following = await self._end(job, run, ended, now, policy)
             if following is None:  # that run had been ended already
                 return
@@ -306,17 +319,16 @@ class KubeJobRunner:
         if state.state == "queued":
             await asyncio.to_thread(self.store.set_reason, job.id,
                                     f"in Volcano's queue {team_queue(job.team)!r}: {state.reason}", ("running",))
-        since = self.started.get((job.id, retry))
         if run.holding is not None:
-            await self._bill(job, run, parse_time(since), policy)
+            await self._bill(job, run, since, policy)
 
-    async def _bill(self, job: Job, run: Run, since: datetime | None, policy: Policy) -> None:
+    async def _bill(self, job: Job, run: Run, since: datetime | None, policy: Policy, again: bool = False) -> None:
         """The run's ledger interval: held, not billed, while its pod waits; billed from when its container
-        started once it runs; seen again every `HEARTBEAT_S`."""
+        started once it runs; seen again every `HEARTBEAT_S` (`again`: now)."""
         profile = policy.profiles.get(job.profile)
         runs = since is not None and profile is not None and profile.gpu is not None
         last = self.billed.get(run.holding)
-        if last is not None and last[0] == runs and time.monotonic() - last[1] < HEARTBEAT_S:
+        if not again and last is not None and last[0] == runs and time.monotonic() - last[1] < HEARTBEAT_S:
             return
         now = periods.utcnow()
         if runs:

@@ -315,27 +315,22 @@ class KubeCluster:
         return _wait(f"node {name} Ready and schedulable", ready, 60)
 
 
-class PodProcesses:
-    """The container runtime's part, which KWOK leaves out: while a pod of `namespace` runs (KWOK made it
-    Running on a loopback pod address), its first container's command runs as a local process with the pod's
-    environment, listening on the pod's address; it is killed when the pod goes. A stand-in, named as one:
-    no image is pulled, the command must exist on this machine (a notebook server's `jupyterhub-singleuser`)."""
+class Rounds:
+    """A thread that runs `_round(session)` every 0.2 s with an admin session of `cluster` while the block runs;
+    a failed round is said and the next one tries again."""
 
-    def __init__(self, cluster: KubeCluster, namespace: str, workdir: Path):
-        self.cluster, self.namespace, self.workdir = cluster, namespace, workdir
-        self.processes: dict[str, tuple[str, subprocess.Popen]] = {}  # pod uid → (name, process)
+    def __init__(self, cluster: KubeCluster):
+        self.cluster = cluster
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="pod-processes")
+        self._thread = threading.Thread(target=self._run, daemon=True, name=type(self).__name__)
 
-    def __enter__(self) -> PodProcesses:
+    def __enter__(self):
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()  # its rounds are bounded (10 s requests, 10 s ends): then nothing else touches the dict
-        for _, process in self.processes.values():
-            _end(process)
+        self._thread.join()  # its rounds are bounded (10 s requests): then nothing else touches its state
 
     def _run(self) -> None:
         session = self.cluster.api()
@@ -343,7 +338,27 @@ class PodProcesses:
             try:
                 self._round(session)
             except Exception as error:  # noqa: BLE001 - said, and the next round tries again
-                print(f"PodProcesses: {type(error).__name__}: {error}", flush=True)
+                print(f"{type(self).__name__}: {type(error).__name__}: {error}", flush=True)
+
+    def _round(self, session: requests.Session) -> None:
+        raise NotImplementedError
+
+
+class PodProcesses(Rounds):
+    """The container runtime's part, which KWOK leaves out: while a pod of `namespace` runs (KWOK made it
+    Running on a loopback pod address), its first container's command runs as a local process with the pod's
+    environment, listening on the pod's address; it is killed when the pod goes. A stand-in, named as one:
+    no image is pulled, the command must exist on this machine (a notebook server's `jupyterhub-singleuser`)."""
+
+    def __init__(self, cluster: KubeCluster, namespace: str, workdir: Path):
+        super().__init__(cluster)
+        self.namespace, self.workdir = namespace, workdir
+        self.processes: dict[str, tuple[str, subprocess.Popen]] = {}  # pod uid → (name, process)
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)  # its rounds end their processes within 10 s each
+        for _, process in self.processes.values():
+            _end(process)
 
     def _round(self, session: requests.Session) -> None:
         try:
@@ -381,41 +396,24 @@ class PodProcesses:
                                     stdin=subprocess.DEVNULL, start_new_session=True)
 
 
-class VolcanoJobControllerDouble:
+class VolcanoJobControllerDouble(Rounds):
     """A double of Volcano's job controller (`vc-controller-manager`, not built here: see the module's
     docstring), named as one, for one-task Volcano Jobs of `namespace`: what gpupool reads of it and nothing
     more. Each round it gives a new Job the `Pending` phase, makes the task's pod from the template
     (`<job>-<task>-0`, with Volcano's `volcano.sh/job-name` label and `volcano.sh/job-retry-count` annotation;
     the real kube-scheduler's `volcano` profile binds it and KWOK runs it), sets `Running` when the pod runs,
     and when the pod ends applies the Job's `policies` as Volcano does (an `exitCode` entry first, then the
-    `PodEvicted` (the pod deleted while it ran, or evicted by its kubelet) or `PodFailed` event; `RestartJob` deletes the pod and counts `status.retryCount` up to
-    `maxRetry`, past it the Job `Failed`; `TerminateJob` → `Terminated`; `TaskCompleted`/`CompleteJob` →
-    `Completed`). Its pods have no ownerReferences (KWOK's pod-complete stage would complete any pod a `Job`
+    `PodEvicted` event (the pod deleted while it ran, or evicted by its kubelet) or `PodFailed`; `RestartJob`
+    deletes the pod and counts `status.retryCount` up to `maxRetry`, past it the Job `Failed`; `TerminateJob` →
+    `Terminated`; `TaskCompleted`/`CompleteJob` → `Completed`). Its pods have no ownerReferences (KWOK's pod-complete stage would complete any pod a `Job`
     owns at once), so it deletes the pods of a Job that is gone, as the garbage collector would."""
 
     API = "/apis/batch.volcano.sh/v1alpha1"
 
     def __init__(self, cluster: KubeCluster, namespace: str):
-        self.cluster, self.namespace = cluster, namespace
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="volcano-job-controller-double")
+        super().__init__(cluster)
+        self.namespace = namespace
         self.made: dict[str, int] = {}  # Job uid → the retry whose pod was made
-
-    def __enter__(self) -> VolcanoJobControllerDouble:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        session = self.cluster.api()
-        while not self._stop.wait(0.2):
-            try:
-                self._round(session)
-            except Exception as error:  # noqa: BLE001 - said, and the next round tries again
-                print(f"VolcanoJobControllerDouble: {type(error).__name__}: {error}", flush=True)
 
     def _url(self, path: str, core: bool = False) -> str:
         return f"{self.cluster.url}{'/api/v1' if core else self.API}/namespaces/{self.namespace}/{path}"

@@ -80,11 +80,7 @@ def hub(tmp_path_factory):
     hub.add_user("alice", "vision")
     yield hub
     hub.kill()
-    with contextlib.suppress(OSError, ValueError):
-        os.kill(int((hub.state / "proxy.pid").read_text()), signal.SIGKILL)
-    for process in psutil.process_iter(["cmdline", "cwd"]):  # no job, server or service outlives the tests
-        if str(tmp) in " ".join(process.info["cmdline"] or []) or str(tmp) in (process.info["cwd"] or ""):
-            process.kill()
+    hub.kill_leftovers(tmp)  # no job, server or service outlives the tests
 
 
 def person_env(hub: Hub, token: str) -> dict[str, str]:
@@ -355,7 +351,5 @@ def test_a_fine_tune_runs_as_its_user_from_the_images_environment():
         assert probe.returncode != 0 and "Permission denied" in probe.stderr
     finally:
         hub.kill()
-        for process in psutil.process_iter(["cmdline", "cwd"]):
-            if str(tmp) in " ".join(process.info["cmdline"] or []) or str(tmp) in (process.info["cwd"] or ""):
-                process.kill()
+        hub.kill_leftovers(tmp)
         subprocess.run(["userdel", "--remove", "gp-ftuser"], capture_output=True, check=False)

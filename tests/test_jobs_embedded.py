@@ -6,7 +6,6 @@ No double anywhere: the declared H200 card is the pool's inventory (no NVML here
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pwd
@@ -60,15 +59,6 @@ UNTIL_STOPPED = [sys.executable, "-c", "import signal, sys, time\n"
                  "while True: time.sleep(0.1)"]
 
 
-def _kill_leftovers(hub: Hub) -> None:
-    with contextlib.suppress(OSError, ValueError):  # the proxy of a killed hub (its command line names no folder)
-        os.kill(int((hub.state / "proxy.pid").read_text()), signal.SIGKILL)
-    for process in psutil.process_iter(["cmdline"]):  # no job, server or service outlives the test
-        if str(hub.state) in " ".join(process.info["cmdline"] or []) or str(hub.log.parent) in " ".join(
-                process.info["cmdline"] or []):
-            process.kill()
-
-
 @pytest.fixture
 def hub(tmp_path):
     hub = Hub(tmp_path, POLICY, 'c.LocalGPUSpawner.run_as = "self"', mlflow=False)
@@ -76,7 +66,7 @@ def hub(tmp_path):
     hub.wait_service("jobs", "health")
     yield hub
     hub.kill()
-    _kill_leftovers(hub)
+    hub.kill_leftovers()  # no job, server or service outlives the test
 
 
 class Jobs:
@@ -309,7 +299,7 @@ def test_an_mlflow_run_made_inside_a_job_is_tagged_with_that_jobs_gpu_hours_and_
         assert Decimal(tags["gpupool.cost"]) > 0 and tags["gpupool.currency"] == "EUR"
     finally:
         hub.kill()
-        _kill_leftovers(hub)
+        hub.kill_leftovers()  # no job, server or service outlives the test
 
 
 def test_a_job_submitted_in_a_jupyterlab_terminal_runs_and_its_log_is_followed_there(hub):
@@ -442,7 +432,7 @@ def test_a_job_runs_as_its_user_with_a_servers_environment_and_a_private_checkpo
         assert "Permission denied" in log  # the hub's state folder is not the job's to read
     finally:
         hub.kill()
-        _kill_leftovers(hub)
+        hub.kill_leftovers()  # no job, server or service outlives the test
         subprocess.run(["userdel", "--remove", "gp-jobuser"], capture_output=True, check=False)
 
 

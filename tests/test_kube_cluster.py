@@ -635,7 +635,9 @@ async def test_a_preempted_job_resumes_without_a_retry_counted_succeeds_and_a_ca
         # The container exits 0, as a kubelet reports it.
         done = {"status": {"phase": "Succeeded", "containerStatuses": [
             {"name": "train", "ready": False, "restartCount": 0, "image": pod["spec"]["containers"][0]["image"],
-             "imageID": "", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}]}}
+             "imageID": "", "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+                                                     "startedAt": pod["status"]["startTime"],
+                                                     "finishedAt": periods.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ")}}}]}}
         cluster.kubectl("patch", "pod", "-n", NAMESPACE, pod["metadata"]["name"], "--subresource", "status",
                         "--type", "merge", "-p", json.dumps(done))
         ended = await until("the job succeeded", lambda: (j := jobs.store.get(job.id)).state == "succeeded" and j)

@@ -28,6 +28,7 @@ from gpupool.spawner.jobs import (
     job_name,
     job_state,
     pod_end,
+    running_since,
     restart_policies,
     volcano_job,
 )
@@ -533,3 +534,15 @@ def _pod(phase: str, *, exit_code: int | None = None, reason: str | None = None,
 ])
 def test_how_a_run_ended_is_read_from_its_pod(pod, deleted, ended):
     assert pod_end(pod, deleted=deleted) == ended
+
+
+def test_a_run_is_billed_from_its_containers_start_also_when_first_seen_ended():
+    running = {"status": {"phase": "Running", "startTime": "2026-12-05T10:00:00Z", "containerStatuses": [
+        {"name": "train", "state": {"running": {"startedAt": "2026-12-05T10:00:07Z"}}}]}}
+    assert running_since(running) == "2026-12-05T10:00:07Z"
+    ended = {"status": {"phase": "Failed", "startTime": "2026-12-05T10:00:00Z", "containerStatuses": [
+        {"name": "train", "state": {"terminated": {"exitCode": 1, "startedAt": "2026-12-05T10:00:05Z"}}}]}}
+    assert running_since(ended) == "2026-12-05T10:00:05Z"
+    assert running_since({"status": {"phase": "Pending", "startTime": "2026-12-05T10:00:00Z"}}) is None
+    assert running_since({"status": {"phase": "Succeeded", "startTime": "2026-12-05T10:00:00Z"}}) == \
+        "2026-12-05T10:00:00Z"

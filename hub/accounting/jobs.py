@@ -182,6 +182,13 @@ LEDGER_END: dict[Event, HowEnded] = {
 }
 
 
+def policy_problem(policy: Policy, job: Job) -> str | None:
+    """Why a waiting job can no longer run under `policy` (its profile or team is gone), or None."""
+    if job.profile not in policy.profiles or job.team not in policy.teams:
+        return f"the policy no longer has profile {job.profile!r} or team {job.team!r}"
+    return None
+
+
 def new_job_id() -> str:
     return secrets.token_hex(6)
 
