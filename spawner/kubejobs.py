@@ -52,6 +52,9 @@ TICK_S = 1.0
 HEARTBEAT_S = 30.0
 GROUP, VERSION = JOB_API_VERSION.split("/")
 PLURAL = "jobs"
+#: Seconds a run whose Volcano Job moved on waits for the pod watch to tell how its pod ended (the watch's lag;
+#: Volcano deletes a pod it restarts, so only the watch saw its end) before it ends as `node-lost`.
+END_WAIT_S = 10.0
 #: gpupool's states of a Volcano Job that will not run its pod again by itself.
 OVER = ("succeeded", "failed", "cancelled", "suspended")
 
@@ -80,6 +83,7 @@ class KubeJobRunner:
         self.started: dict[tuple[str, int], str] = {}
         self.billed: dict[str, tuple[bool, float]] = {}  # run holding → (billed as running, when written)
         self.deleting: set[str] = set()  # job ids whose Volcano Job this runner deleted and waits to see gone
+        self.moved_on: dict[tuple[str, int], tuple[float, datetime]] = {}  # run's end unknown: since (monotonic, UTC)
         self.pods_seen = asyncio.Event()  # the watch's first list is in
         self._tasks: list[asyncio.Task] = []
 
@@ -299,15 +303,20 @@ class KubeJobRunner:
             return
         state = job_state(found)
         retry = run.cluster_retry or 0
+        key = (job.id, retry)
         over = state.retries > retry or state.state in OVER
-        if over and (job.id, retry) not in self.ends:
+        if over and key not in self.ends:
             await self._look(job.id)  # the watch may not have told yet: the pod itself, if it is still there
-        since = parse_time(self.started.get((job.id, retry)))
+            first = self.moved_on.setdefault(key, (time.monotonic(), now))
+            if key not in self.ends and time.monotonic() - first[0] < END_WAIT_S:
+                return  # the watch tells how its (deleted) pod ended within a round or two
+        since = parse_time(self.started.get(key))
         if over:
-            ended = self.ends.get((job.id, retry)) or _from_phase(state.state)
+            ended = self.ends.get(key) or _from_phase(state.state)
+            at = self.moved_on.pop(key, (0.0, now))[1]  # when Volcano was seen to have moved on
             if since is not None and run.holding is not None:  # billed from its start, however short it ran
                 await self._bill(job, run, since, policy, again=True)
-            following = await self._end(job, run, ended, now, policy)
+            following = await self._end(job, run, ended, at, policy)
             if following is None:  # that run had been ended already
                 return
             goes_on = following.action in (Action.RESTART, Action.REQUEUE)
