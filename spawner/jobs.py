@@ -9,7 +9,7 @@ queue with the team's PriorityClass (`kube.volcano_binding`); what Volcano does 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from gpupool.hub.accounting.jobs import DEFAULT_CHECKPOINT_MOUNT, JOB_ID_LABEL, Job, env_problem
@@ -20,7 +20,7 @@ from gpupool.policies.model import DNS_LABEL, Policy, Restarts
 from gpupool.policies.resources import profile_gpu
 from gpupool.spawner.kube import PREEMPTABLE_ANNOTATION, choice_pod, volcano_binding
 from gpupool.spawner.mixin import choice_env
-from gpupool.spawner.volcano import Release, labels, team_queue
+from gpupool.spawner.volcano import Release, job_priority_class, labels, team_queue
 from gpupool.train import CHECKPOINT_DIR_ENV
 
 JOB_API_VERSION = "batch.volcano.sh/v1alpha1"
@@ -64,6 +64,8 @@ class JobSpec:
     preemptible: bool = False
     #: Admitted beyond an exhausted budget (`on_exhausted: deprioritize`): lowest priority, preemptable.
     deprioritized: bool = False
+    #: The job priority (`low`, `normal`, `high`; one of the team's `job_priorities`): its PriorityClass.
+    priority: str = "normal"
     grace_seconds: int = 60
     #: The PersistentVolumeClaim the checkpoints live on; None: the job has no checkpoint folder.
     checkpoint_claim: str | None = None
@@ -83,7 +85,8 @@ class JobSpec:
         storage = storage or {}
         return cls(job_id=job.id, user=job.user, team=job.team, profile=job.profile, command=tuple(job.command),
                    image=image, env=dict(job.env), workdir=job.workdir, max_restarts=job.max_restarts,
-                   preemptible=job.preemptible, deprioritized=deprioritized, grace_seconds=policy.jobs.grace_seconds,
+                   preemptible=job.preemptible, deprioritized=deprioritized, priority=job.priority,
+                   grace_seconds=policy.jobs.grace_seconds,
                    checkpoint_claim=policy.jobs.checkpoint_claim,
                    checkpoint_mount=job.checkpoint_dir or DEFAULT_CHECKPOINT_MOUNT,
                    volumes=tuple(storage.get("volumes") or ()), volume_mounts=tuple(storage.get("volume_mounts") or ()),
@@ -179,7 +182,12 @@ def volcano_job(spec: JobSpec, policy: Policy, release: Release, namespace: str,
     options = {"profile": spec.profile, "team": spec.team, **({"image": spec.image} if spec.image else {})}
     choice = check_choice(policy, spec.user, [spec.team], options)  # ChoiceRefused is a ValueError
     profile = choice.profile
+    if spec.priority not in policy.teams[spec.team].job_priorities:
+        raise ValueError(f"team {spec.team!r} may not use job priority {spec.priority!r} (allowed: "
+                         f"{', '.join(policy.teams[spec.team].job_priorities)})")
     binding = volcano_binding(spec.team, profile.preemptible or spec.preemptible, spec.deprioritized)
+    if not spec.deprioritized:  # at its job priority (over-budget work stays the lowest whatever it asked for)
+        binding = replace(binding, priority_class_name=job_priority_class(spec.team, spec.priority))
     pod = choice_pod(choice, policy, profile_gpu(profile, policy), binding)
 
     limits = {**({"cpu": profile.cpu.limit} if profile.cpu.limit else {}),

@@ -125,6 +125,18 @@ def team_priority_class(team: str) -> str:
     return f"gpupool-{team}"
 
 
+def job_priority_class(team: str, priority: str) -> str:
+    """The PriorityClass of `team`'s training jobs at job priority `priority` (`normal`: the team's own class)."""
+    return team_priority_class(team) if priority == "normal" else f"gpupool-{team}-{priority}-jobs"
+
+
+def job_class_value(policy: Policy, team: str, priority: str) -> int:
+    """Its value: the team's priority moved by the job priority's offset from `normal` (servers' priority), as the
+    embedded queue orders them (`Policy.job_priority`); never below 0, under which only deprioritized work is."""
+    offsets = policy.jobs.priorities
+    return max(0, policy.teams[team].priority + offsets[priority] - offsets["normal"])
+
+
 def labels(release: Release, component: str, team: str | None = None) -> dict[str, str]:
     result = {
         "app.kubernetes.io/name": "gpupool",
@@ -182,24 +194,33 @@ def queues(policy: Policy, release: Release) -> list[dict[str, Any]]:
 
 
 def priority_classes(policy: Policy, release: Release) -> list[dict[str, Any]]:
-    """One PriorityClass per team from its priority, and the lowest class for deprioritized work."""
+    """One PriorityClass per team from its priority, one per other job priority the team may use (`low`, `high`:
+    the team's priority moved by the `jobs.priorities` offsets), and the lowest class for deprioritized work."""
     result = []
+    owners: dict[str, str] = {DEPRIORITIZED_CLASS: "gpupool's class for deprioritized work"}
     for team in sorted(policy.teams):
         name = team_priority_class(team)
-        if name == DEPRIORITIZED_CLASS:
-            raise ValueError(
-                f"team {team!r} would get the PriorityClass {name}, which is gpupool's class for "
-                "deprioritized work: rename the team"
-            )
-        result.append({
-            "apiVersion": PRIORITY_CLASS_API_VERSION,
-            "kind": "PriorityClass",
-            "metadata": {"name": name, "labels": labels(release, "priority-class", team)},
-            "value": policy.teams[team].priority,
-            "globalDefault": False,
-            "preemptionPolicy": "PreemptLowerPriority",
-            "description": f"gpupool team {team}: its notebooks and jobs (policy teams.{team}.priority)",
-        })
+        classes = [(name, policy.teams[team].priority,
+                    f"gpupool team {team}: its notebooks and jobs (policy teams.{team}.priority)")]
+        for priority in policy.teams[team].job_priorities:
+            if priority != "normal":
+                classes.append((job_priority_class(team, priority), job_class_value(policy, team, priority),
+                                f"gpupool team {team}: its {priority}-priority training jobs (teams.{team}.priority "
+                                f"and jobs.priorities.{priority})"))
+        for name, value, description in classes:
+            if name in owners:
+                raise ValueError(f"team {team!r} would get the PriorityClass {name}, which is {owners[name]}: "
+                                 "rename the team")
+            owners[name] = f"team {team}'s"
+            result.append({
+                "apiVersion": PRIORITY_CLASS_API_VERSION,
+                "kind": "PriorityClass",
+                "metadata": {"name": name, "labels": labels(release, "priority-class", team)},
+                "value": value,
+                "globalDefault": False,
+                "preemptionPolicy": "PreemptLowerPriority",
+                "description": description,
+            })
     result.append({
         "apiVersion": PRIORITY_CLASS_API_VERSION,
         "kind": "PriorityClass",

@@ -184,13 +184,14 @@ def priority_change(cluster, policies: Path, tmp_path: Path, before: str) -> Non
     after = gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path)
     changed = [o for o in yaml.safe_load_all(after) if o and o["kind"] == "PriorityClass"
                and stored(cluster, o)["value"] != o["value"]]
-    assert len(changed) == 1
+    # the team's class and its low-priority jobs' class (the team's priority moved by the offset)
+    assert sorted(o["metadata"]["name"] for o in changed) == ["gpupool-research", "gpupool-research-low-jobs"]
     refused = cluster.kubectl("apply", "--server-side", "-f", "-", input=after, check=False)
     assert refused.returncode != 0 and "may not be changed in an update" in refused.stderr
-    assert changed[0]["metadata"]["name"] in refused.stderr
-    cluster.kubectl("delete", "priorityclass", changed[0]["metadata"]["name"])
+    assert all(o["metadata"]["name"] in refused.stderr for o in changed)
+    cluster.kubectl("delete", "priorityclass", *(o["metadata"]["name"] for o in changed))
     cluster.kubectl("apply", "--server-side", "-f", "-", input=after)
-    assert stored(cluster, changed[0])["value"] == changed[0]["value"]
+    assert [stored(cluster, o)["value"] for o in changed] == [o["value"] for o in changed]
 
 
 def test_the_api_server_refuses_a_queue_volcanos_crd_refuses(cluster):

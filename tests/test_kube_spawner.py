@@ -408,7 +408,9 @@ def test_volcano_binding_names():
     assert volcano_binding("nlp", preemptible=False, deprioritized=True).priority_class_name == "gpupool-deprioritized"
     assert policy_priorities(load_policy(EXAMPLES)) == {
         "gpupool-research": 100, "gpupool-vision": 100, "gpupool-nlp": 80, "gpupool-students": 10,
-        "gpupool-deprioritized": -1}
+        # the teams' low-priority jobs (job_priorities [low, normal]): 10 under their notebooks, never below 0
+        "gpupool-research-low-jobs": 90, "gpupool-vision-low-jobs": 90, "gpupool-nlp-low-jobs": 70,
+        "gpupool-students-low-jobs": 0, "gpupool-deprioritized": -1}
 
 
 @pytest.mark.asyncio

@@ -122,7 +122,8 @@ def crds():
 def test_default_policies_render_queues_classes_and_the_policy_configmap():
     objects = render(DEFAULT_POLICY_DIR)
     assert [(o["kind"], o["metadata"]["name"]) for o in objects] == [
-        ("PriorityClass", "gpupool-nlp"), ("PriorityClass", "gpupool-vision"),
+        ("PriorityClass", "gpupool-nlp"), ("PriorityClass", "gpupool-nlp-low-jobs"),
+        ("PriorityClass", "gpupool-vision"), ("PriorityClass", "gpupool-vision-low-jobs"),
         ("PriorityClass", "gpupool-deprioritized"),
         ("Queue", "nlp"), ("Queue", "vision"),
         ("ConfigMap", "gpupool-policies"),
@@ -149,6 +150,8 @@ def test_default_policies_render_queues_classes_and_the_policy_configmap():
         "preemptionPolicy": "PreemptLowerPriority",
         "description": "gpupool team vision: its notebooks and jobs (policy teams.vision.priority)",
     }
+    # A team's low-priority jobs: the team's priority moved by jobs.priorities' low offset from normal (10).
+    assert (classes["gpupool-vision-low-jobs"]["value"], classes["gpupool-nlp-low-jobs"]["value"]) == (90, 40)
     assert classes["gpupool-deprioritized"] == {
         "apiVersion": "scheduling.k8s.io/v1",
         "kind": "PriorityClass",
@@ -385,7 +388,7 @@ def test_every_rendered_object_passes_the_kubernetes_and_volcano_schemas(policie
 
 def test_the_checks_refuse_what_the_api_server_refuses(crds):
     """The validators are not blind: a misspelled field, a bad value and a bad name each fail."""
-    queue = render(DEFAULT_POLICY_DIR)[3]
+    queue = render(DEFAULT_POLICY_DIR)[5]
     assert queue["kind"] == "Queue"
     misspelled = {**queue, "spec": {**queue["spec"], "guarantee": {"resources": {"cpu": "1"}}}}
     with pytest.raises(jsonschema.ValidationError, match="resources"):
@@ -429,9 +432,9 @@ def test_output_folder_replaces_its_previous_render_and_refuses_a_foreign_folder
     out = tmp_path / "out"
     code, stdout, _ = run("render", "--policies", str(policies), "--output", str(out))
     assert code == 0
-    assert stdout == (f"wrote 7 files to {out}: 3 PriorityClasses, 2 Queues, 1 ConfigMap and "
+    assert stdout == (f"wrote 9 files to {out}: 5 PriorityClasses, 2 Queues, 1 ConfigMap and "
                       "zero-to-jupyterhub/values.yaml\n")
-    assert (out / "004-queue-vision.yaml").exists()
+    assert (out / "006-queue-vision.yaml").exists()
     (out / "notes.txt").write_text("mine")
     # Team vision goes away: its queue file must not linger for the next `kubectl apply -f out`.
     teams = yaml.safe_load((policies / "teams.yaml").read_text())
@@ -445,7 +448,7 @@ def test_output_folder_replaces_its_previous_render_and_refuses_a_foreign_folder
     (policies / "profiles.yaml").write_text(yaml.safe_dump(profiles, allow_unicode=True))
     assert run("render", "--policies", str(policies), "--output", str(out))[0] == 0
     assert not any("vision" in p.name for p in out.iterdir())
-    assert (out / "002-queue-nlp.yaml").exists() and (out / "notes.txt").read_text() == "mine"
+    assert (out / "003-queue-nlp.yaml").exists() and (out / "notes.txt").read_text() == "mine"
 
     foreign = tmp_path / "foreign"
     foreign.mkdir()

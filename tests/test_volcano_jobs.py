@@ -32,7 +32,7 @@ from gpupool.spawner.jobs import (
     restart_policies,
     volcano_job,
 )
-from gpupool.spawner.volcano import Release
+from gpupool.spawner.volcano import Release, priority_classes
 from kubernetes_asyncio.config import kube_config
 
 
@@ -546,3 +546,22 @@ def test_a_run_is_billed_from_its_containers_start_also_when_first_seen_ended():
     assert running_since({"status": {"phase": "Pending", "startTime": "2026-12-05T10:00:00Z"}}) is None
     assert running_since({"status": {"phase": "Succeeded", "startTime": "2026-12-05T10:00:00Z"}}) == \
         "2026-12-05T10:00:00Z"
+
+
+def test_a_jobs_priority_picks_its_teams_class_for_that_priority(examples):
+    assert render(examples)["spec"]["priorityClassName"] == "gpupool-vision"  # normal: the notebooks' class
+    low = render(examples, priority="low")
+    assert low["spec"]["priorityClassName"] == template(low)["spec"]["priorityClassName"] == "gpupool-vision-low-jobs"
+    # over budget, it is the lowest whatever it asked for
+    assert render(examples, priority="low", deprioritized=True)["spec"]["priorityClassName"] == "gpupool-deprioritized"
+    with pytest.raises(ValueError, match="may not use job priority 'high'"):
+        render(examples, priority="high")  # vision's job_priorities are [low, normal]
+    names = {c["metadata"]["name"] for c in priority_classes(examples, Release())}
+    assert {"gpupool-vision", "gpupool-vision-low-jobs"} <= names
+
+
+def test_a_team_whose_name_makes_another_teams_class_is_refused(examples):
+    policy = examples.model_copy(deep=True)
+    policy.teams["vision-low-jobs"] = policy.teams["nlp"].model_copy(update={"job_priorities": ["normal"]})
+    with pytest.raises(ValueError, match="gpupool-vision-low-jobs"):
+        priority_classes(policy, Release())
