@@ -83,7 +83,7 @@ def operations(experiment_id: str):
                data=UPLOAD, headers={"Content-Type": "application/octet-stream"})
 
     return {"log-metric": (log_metric, 1), "log-batch (50)": (log_batch, 1), "get-run": (get_run, 1),
-            "search-runs": (search_runs, 1), "upload 10 MB": (upload, 10)}
+            "search-runs": (search_runs, 1), "upload 10 MB": (upload, 4)}
 
 
 def plain_server(store: Path, port: int, log) -> subprocess.Popen:
@@ -119,7 +119,7 @@ def wait_for(url: str, timeout: float = 240) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=200, help="calls per operation and target (uploads: / 10)")
+    parser.add_argument("--calls", type=int, default=200, help="calls per operation and target (uploads: / 4)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         hub = Hub(Path(tmp) / "gpupool", POLICY, SELF)
