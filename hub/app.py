@@ -105,7 +105,7 @@ class GPUPoolHub(JupyterHub):
         claim), expanded for the job's user, and the pod's user and groups: a job sees its notebooks' files."""
         orm_user = orm.User.find(self.db, job.user)
         user = SimpleNamespace(name=job.user, id=orm_user.id if orm_user is not None else 0, groups=[])
-        return self.spawner_class(config=self.config, user=user, hub=self.hub).user_storage()
+        return await self.spawner_class(config=self.config, user=user, hub=self.hub).user_storage()
 
     def _job_spawner(self, job):
         """A spawner of the hub's configuration for `job`'s user (None: the settings only): every setting a

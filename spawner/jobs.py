@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from gpupool.hub.accounting.jobs import DEFAULT_CHECKPOINT_MOUNT, JOB_ID_LABEL, Job, env_problem
@@ -31,6 +32,9 @@ TASK = "train"
 CHECKPOINT_VOLUME = "checkpoints"
 
 USER_LABEL = "gpupool.io/user"
+#: Which Volcano Job of its job this is (the run that made it): a job suspended and resumed, or restarted by
+#: gpupool, gets a new Volcano Job of the same name, whose pods must not be taken for the last one's.
+SUBMISSION_LABEL = "gpupool.io/submission"
 JOB_ID_ENV = "GPUPOOL_JOB_ID"
 #: Volcano's count of the Job's restarts when the pod was made (every cause: evictions too), from the
 #: annotation Volcano's controller writes on each pod; empty with a Volcano that does not write it.
@@ -66,6 +70,8 @@ class JobSpec:
     deprioritized: bool = False
     #: The job priority (`low`, `normal`, `high`; one of the team's `job_priorities`): its PriorityClass.
     priority: str = "normal"
+    #: Which Volcano Job of the job this is (`SUBMISSION_LABEL`): the attempt of the run that makes it.
+    submission: int = 1
     grace_seconds: int = 60
     #: The PersistentVolumeClaim the checkpoints live on; None: the job has no checkpoint folder.
     checkpoint_claim: str | None = None
@@ -74,23 +80,27 @@ class JobSpec:
     #: `volume_mounts`, expanded for the user: z2jh's home claim), so a job sees the files of its notebooks.
     volumes: tuple[Mapping[str, Any], ...] = ()
     volume_mounts: tuple[Mapping[str, Any], ...] = ()
-    #: The pod's securityContext as the spawner sets it for servers (runAsUser, runAsGroup, fsGroup).
+    #: The pod's securityContext as the spawner sets it for servers (runAsUser, runAsGroup, fsGroup, groups),
+    #: and the container's (allowPrivilegeEscalation).
     security_context: Mapping[str, Any] = field(default_factory=dict)
+    container_security_context: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_job(cls, job: Job, policy: Policy, *, deprioritized: bool, image: str | None = None,
-                 storage: Mapping[str, Any] | None = None) -> JobSpec:
+                 storage: Mapping[str, Any] | None = None, submission: int = 1) -> JobSpec:
         """The spec of a job of the ledger's database: grace period and checkpoint claim from `policy.jobs`;
         `storage`: the user's `volumes`, `volume_mounts` and `security_context` as their servers get them."""
         storage = storage or {}
         return cls(job_id=job.id, user=job.user, team=job.team, profile=job.profile, command=tuple(job.command),
                    image=image, env=dict(job.env), workdir=job.workdir, max_restarts=job.max_restarts,
                    preemptible=job.preemptible, deprioritized=deprioritized, priority=job.priority,
+                   submission=submission,
                    grace_seconds=policy.jobs.grace_seconds,
                    checkpoint_claim=policy.jobs.checkpoint_claim,
                    checkpoint_mount=job.checkpoint_dir or DEFAULT_CHECKPOINT_MOUNT,
                    volumes=tuple(storage.get("volumes") or ()), volume_mounts=tuple(storage.get("volume_mounts") or ()),
-                   security_context=dict(storage.get("security_context") or {}))
+                   security_context=dict(storage.get("security_context") or {}),
+                   container_security_context=dict(storage.get("container_security_context") or {}))
 
 
 def job_name(job_id: str) -> str:
@@ -147,7 +157,8 @@ def _check(spec: JobSpec, namespace: str) -> None:
             raise ValueError(problem)
     if spec.workdir is not None:
         _absolute_path("working directory", spec.workdir)
-    for what, number in (("max_restarts", spec.max_restarts), ("grace_seconds", spec.grace_seconds)):
+    for what, number in (("max_restarts", spec.max_restarts), ("grace_seconds", spec.grace_seconds),
+                         ("submission", spec.submission)):
         if not isinstance(number, int) or isinstance(number, bool) or number < 0:
             raise ValueError(f"{what} is a whole number ≥ 0, not {number!r}")
     if spec.checkpoint_claim is not None:
@@ -212,6 +223,8 @@ def volcano_job(spec: JobSpec, policy: Policy, release: Release, namespace: str,
     }
     if spec.workdir is not None:
         container["workingDir"] = spec.workdir
+    if spec.container_security_context:
+        container["securityContext"] = dict(spec.container_security_context)
     pod_spec: dict[str, Any] = {
         "schedulerName": binding.scheduler_name,
         "priorityClassName": binding.priority_class_name,
@@ -242,7 +255,7 @@ def volcano_job(spec: JobSpec, policy: Policy, release: Release, namespace: str,
         pod_spec["volumes"] = volumes
 
     job_labels = {**labels(release, "job", spec.team), **pod.labels, JOB_ID_LABEL: spec.job_id,
-                  USER_LABEL: spec.user}
+                  USER_LABEL: spec.user, SUBMISSION_LABEL: str(spec.submission)}
     return {
         "apiVersion": JOB_API_VERSION,
         "kind": "Job",
@@ -358,14 +371,22 @@ def pod_end(pod: Mapping[str, Any], *, deleted: bool = False) -> Ended | None:
 
     The container's exit code decides a failure; a pod evicted by the kubelet (node pressure) or disrupted
     (its `DisruptionTarget` condition) ended for its node or for higher-priority work, which never counts
-    against the job's restarts. `deleted`: the pod was deleted (a watch's DELETED event) before it ended by
-    itself: Volcano's preemption, a drain or a lost node took it.
+    against the job's restarts. `deleted`: the pod was deleted (a watch's DELETED event) while it ran:
+    Volcano's preemption, a drain or a lost node took it. A pod that ended while being deleted ended by the
+    deletion unless its container finished before the deletion was asked for.
     """
     status = pod.get("status") or {}
     phase = status.get("phase")
     disruption = next((c for c in status.get("conditions") or [] if c.get("type") == "DisruptionTarget"
                        and c.get("status") == "True"), None)
     code = pod_exit_code(pod)
+    if phase in ("Succeeded", "Failed"):
+        # ended by itself, or by its deletion: the kubelet ends a deleted pod's container (exit 143, or 0 after a
+        # save) before it goes, and Volcano counts any deleted pod as evicted
+        deleted = _ended_by_deletion(pod)
+    if deleted and disruption is None:
+        preemptable = ((pod.get("metadata") or {}).get("annotations") or {}).get(PREEMPTABLE_ANNOTATION) == "true"
+        return Ended(Event.PREEMPTED if preemptable else Event.NODE_LOST, code)
     if phase == "Succeeded":
         return Ended(Event.SUCCEEDED, 0 if code is None else code)
     if disruption is not None and (phase == "Failed" or deleted):
@@ -375,10 +396,24 @@ def pod_end(pod: Mapping[str, Any], *, deleted: bool = False) -> Ended | None:
         if status.get("reason") == "Evicted":  # the kubelet's node-pressure eviction: the node's, not the job's
             return Ended(Event.NODE_LOST, code)
         return Ended(Event.FAILED, code)
-    if deleted:
-        preemptable = ((pod.get("metadata") or {}).get("annotations") or {}).get(PREEMPTABLE_ANNOTATION) == "true"
-        return Ended(Event.PREEMPTED if preemptable else Event.NODE_LOST, code)
     return None
+
+
+def _ended_by_deletion(pod: Mapping[str, Any]) -> bool:
+    """Whether an ended pod that is being deleted ended because of it: its container finished when or after the
+    deletion was asked for (`deletionTimestamp` less the grace period), or it does not say when."""
+    meta = pod.get("metadata") or {}
+    deleting = meta.get("deletionTimestamp")
+    if not deleting:
+        return False
+    asked = datetime.fromisoformat(deleting.replace("Z", "+00:00")) - timedelta(
+        seconds=int(meta.get("deletionGracePeriodSeconds") or 0))
+    for container in (pod.get("status") or {}).get("containerStatuses") or []:
+        finished = (((container.get("state") or {}).get("terminated") or {}).get("finishedAt")
+                    if container.get("name") == TASK else None)
+        if finished:
+            return datetime.fromisoformat(finished.replace("Z", "+00:00")) >= asked
+    return True
 
 
 def running_since(pod: Mapping[str, Any]) -> str | None:

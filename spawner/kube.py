@@ -36,6 +36,7 @@ from gpupool.spawner.volcano import (
     team_queue,
 )
 from kubernetes_asyncio.client import ApiException, V1Pod
+from jupyterhub.utils import maybe_future
 from kubespawner import KubeSpawner
 from kubespawner.reflector import ResourceReflector
 from kubespawner.slugs import is_valid_label, safe_slug
@@ -727,13 +728,23 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
                     await upcoming
             await events.aclose()
 
-    def user_storage(self) -> dict[str, Any]:
+    async def user_storage(self) -> dict[str, Any]:
         """The user's storage as their servers get it (`volumes`, `volume_mounts`: z2jh's home claim, expanded
-        for this spawner's user) and the pod's user and groups: what a training job of theirs mounts too."""
-        security = {key: value for key, value in (("runAsUser", self.uid), ("runAsGroup", self.gid),
-                                                  ("fsGroup", self.fs_gid)) if isinstance(value, int)}
+        for this spawner's user), the pod's user and groups and the container's privilege escalation, resolved
+        as KubeSpawner resolves them for a server (callables included): what a training job of theirs gets."""
+        async def resolved(value):
+            return await maybe_future(value(self)) if callable(value) else value
+
+        uid, gid, fs_gid, groups = [await resolved(v) for v in (self.uid, self.gid, self.fs_gid,
+                                                                 self.supplemental_gids)]
+        security = {key: value for key, value in (("runAsUser", uid), ("runAsGroup", gid), ("fsGroup", fs_gid))
+                    if isinstance(value, int)}
+        if groups:
+            security["supplementalGroups"] = list(groups)
+        container = ({"allowPrivilegeEscalation": self.allow_privilege_escalation}
+                     if self.allow_privilege_escalation is not None else {})
         return {"volumes": self._expand_all(self.volumes), "volume_mounts": self._expand_all(self.volume_mounts),
-                "security_context": security}
+                "security_context": security, "container_security_context": container}
 
     # --- state across hub restarts ---------------------------------------------------------------------
 

@@ -37,14 +37,14 @@ from typing import Any
 from gpupool.hub.accounting import notify, periods
 from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest
 from gpupool.hub.accounting.jobs import LEDGER_END, Job, JobStore, Run, policy_problem, priority_order
-from gpupool.hub.accounting.ledger import HowEnded, Ledger, job_run_key
+from gpupool.hub.accounting.ledger import JOB_RUN_PREFIX, HowEnded, Ledger, job_run_key
 from gpupool.hub.accounting.restarts import Action, Ended, Event, Next
 from gpupool.policies.model import Policy
 from gpupool.policies.resources import profile_share
 from gpupool.spawner.jobs import (
-    JOB_API_VERSION, JOB_ID_LABEL, JobSpec, job_name, job_state, pod_end, pod_retry, running_since, volcano_job,
+    JOB_API_VERSION, JOB_ID_LABEL, SUBMISSION_LABEL, JobSpec, job_name, job_state, pod_end, pod_retry, running_since, volcano_job,
 )
-from gpupool.spawner.volcano import Release, team_queue
+from gpupool.spawner.volcano import INSTANCE_LABEL, Release, team_queue
 
 #: Seconds between two looks at the jobs table and the Volcano Jobs.
 TICK_S = 1.0
@@ -78,9 +78,11 @@ class KubeJobRunner:
         self.store, self.ledger, self.policy_of, self.storage_of = store, ledger, policy_of, storage_of
         self.custom, self.core, self.namespace, self.release = custom, core, namespace, release
         self.default_image, self.log, self.tick_s = default_image, log, tick
-        #: From the pod watch, by (job id, Volcano restart): how that pod's run ended, when its container ran.
-        self.ends: dict[tuple[str, int], Ended] = {}
-        self.started: dict[tuple[str, int], str] = {}
+        #: From the pod watch, by (job id, Volcano Job submission, Volcano restart): how that pod's run ended, when
+        #: its container ran. The submission (`jobs.SUBMISSION_LABEL`) tells a new Volcano Job of a job (after a
+        #: suspend, a cancelled restart) from the last one, whose pods' late events must not count for it.
+        self.ends: dict[tuple[str, str, int], Ended] = {}
+        self.started: dict[tuple[str, str, int], str] = {}
         self.billed: dict[str, tuple[bool, float]] = {}  # run holding → (billed as running, when written)
         self.deleting: set[str] = set()  # job ids whose Volcano Job this runner deleted and waits to see gone
         self.moved_on: dict[tuple[str, int], tuple[float, datetime]] = {}  # run's end unknown: since (monotonic, UTC)
@@ -90,8 +92,27 @@ class KubeJobRunner:
     # --- the loops ---------------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        await asyncio.to_thread(self.reconcile)
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._watch_pods()), loop.create_task(self._loop())]
+
+    def reconcile(self) -> None:
+        """What a crash between the jobs table and the ledger left open: the holding of a run the table says has
+        ended closes when and as that run ended; a holding no run took (the hub stopped between the door and the
+        Volcano Job) closes unbilled."""
+        for interval in self.ledger.open_intervals():
+            holding = interval.run or interval.key
+            if interval.kind != "job" or not holding.startswith(JOB_RUN_PREFIX):
+                continue
+            job_id = holding[len(JOB_RUN_PREFIX):].split("@", 1)[0]
+            run = next((r for r in self.store.runs(job_id) if r.holding == holding), None)
+            if run is None:
+                self.ledger.close_run(holding, interval.start, HowEnded.FAILED)
+            elif run.ended_at is not None:
+                self.ledger.close_run(holding, run.ended_at, LEDGER_END[Event(run.event)])
+            else:
+                continue
+            self.log.warning("gpupool job %s: closed its ledger interval %s, left open by a crash", job_id, holding)
 
     async def stop(self) -> None:
         """The hub goes down: stop watching (the Volcano Jobs go on; the next hub follows them)."""
@@ -122,7 +143,7 @@ class KubeJobRunner:
         while True:
             try:
                 if version is None:
-                    reply = await self.core.list_namespaced_pod(self.namespace, label_selector=JOB_ID_LABEL,
+                    reply = await self.core.list_namespaced_pod(self.namespace, label_selector=self.selector,
                                                                 _preload_content=False)
                     listed = json.loads(await reply.read())
                     for pod in listed.get("items") or []:
@@ -130,7 +151,7 @@ class KubeJobRunner:
                     version = listed["metadata"]["resourceVersion"]
                     self.pods_seen.set()
                 stream = watch.Watch().stream(self.core.list_namespaced_pod, self.namespace,
-                                              label_selector=JOB_ID_LABEL, resource_version=version,
+                                              label_selector=self.selector, resource_version=version,
                                               timeout_seconds=300)
                 async with stream:
                     async for event in stream:
@@ -153,8 +174,9 @@ class KubeJobRunner:
 
     async def _look(self, job_id: str) -> None:
         """Read the job's pods now (what the watch will tell, told sooner)."""
-        reply = await self.core.list_namespaced_pod(self.namespace, label_selector=f"{JOB_ID_LABEL}={job_id}",
-                                                    _preload_content=False)
+        reply = await self.core.list_namespaced_pod(
+            self.namespace, label_selector=f"{JOB_ID_LABEL}={job_id},{INSTANCE_LABEL}={self.release.name}",
+            _preload_content=False)
         for pod in json.loads(await reply.read()).get("items") or []:
             self.see_pod(pod)
 
@@ -164,7 +186,7 @@ class KubeJobRunner:
         job_id = ((pod.get("metadata") or {}).get("labels") or {}).get(JOB_ID_LABEL)
         if not job_id:
             return
-        key = (job_id, pod_retry(pod) or 0)
+        key = (job_id, _submission(pod), pod_retry(pod) or 0)
         since = running_since(pod)
         if since:
             self.started.setdefault(key, since)
@@ -174,10 +196,15 @@ class KubeJobRunner:
 
     # --- one round -----------------------------------------------------------------------------------------
 
+    @property
+    def selector(self) -> str:
+        """This release's jobs (and their pods): another release in the namespace has its own."""
+        return f"{JOB_ID_LABEL},{INSTANCE_LABEL}={self.release.name}"
+
     async def volcano_jobs(self) -> dict[str, dict]:
-        """gpupool's Volcano Jobs in the namespace, by job id (a label selector, as the API server serves it)."""
+        """This release's Volcano Jobs in the namespace, by job id (a label selector, as the API server serves it)."""
         listed = await self.custom.list_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL,
-                                                                 label_selector=JOB_ID_LABEL)
+                                                                 label_selector=self.selector)
         return {j["metadata"]["labels"][JOB_ID_LABEL]: j for j in listed.get("items") or []}
 
     async def step(self) -> None:
@@ -195,15 +222,27 @@ class KubeJobRunner:
         for job in live.values():
             found = cluster.get(job.id)
             if job.state == "running" and job.id in running:
-                await self._follow(job, running[job.id], found, policy)
+                await self._each(job.id, self._follow(job, running[job.id], found, policy))
             elif job.state in ("queued", "restarting") and found is not None and job.id not in self.deleting:
-                await self._restarted(job, found, policy)
+                await self._each(job.id, self._restarted(job, found, policy))
         for job in waiting:
             if job.id not in cluster:
-                await self._submit(job, policy)
+                await self._each(job.id, self._submit(job, policy))
         for job_id, found in cluster.items():  # a job gpupool ended (or cancelled while no hub ran) that Volcano
-            if job_id not in live and job_state(found).state not in OVER:  # would still run: end it there
-                await self._delete(job_id)
+            if job_id not in live and _phase_state(found) not in (*OVER, "unknown"):  # would still run: end it there
+                await self._each(job_id, self._delete(job_id))
+        for key in [k for k in {*self.ends, *self.started} if k[0] not in live]:  # what the watch told of the
+            self.ends.pop(key, None)  # pods of jobs that ended
+            self.started.pop(key, None)
+
+    async def _each(self, job_id: str, work) -> None:
+        """One job's part of a round: its failure is said and tried again next round, the others go on."""
+        try:
+            await work
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # an API error, a Volcano Job gpupool cannot read
+            self.log.exception("gpupool job %s: this round failed for it; trying again", job_id)
 
     # --- starting ----------------------------------------------------------------------------------------
 
@@ -233,13 +272,17 @@ class KubeJobRunner:
         image = job.image if job.image in profile.images else None
         try:
             storage = await self.storage_of(job) if self.storage_of is not None else None
-            spec = JobSpec.from_job(job, policy, deprioritized=deprioritized, image=image, storage=storage)
+            spec = JobSpec.from_job(job, policy, deprioritized=deprioritized, image=image, storage=storage,
+                                    submission=job.runs + 1)
             manifest = volcano_job(spec, policy, self.release, self.namespace, default_image=self.default_image)
+            run = await asyncio.to_thread(self.store.start_run, job.id, now, holding=holding, cluster_retry=0)
         except ValueError as error:
             await self._give_back(holding)
             await asyncio.to_thread(self.store.refuse, job.id, f"cannot run in the cluster: {error}", now)
             return
-        run = await asyncio.to_thread(self.store.start_run, job.id, now, holding=holding, cluster_retry=0)
+        except BaseException:  # nothing was made: the holding goes (the next round asks the door again)
+            await asyncio.shield(self._give_back(holding))
+            raise
         if run is None:  # cancelled meanwhile
             await self._give_back(holding)
             return
@@ -256,7 +299,10 @@ class KubeJobRunner:
 
     async def _refused_by_cluster(self, job: Job, run: Run, error, policy: Policy) -> None:
         said = _api_message(error)
-        if error.status >= 500 or error.status == 0:  # the API server's trouble, not the job's: ask again
+        if error.status not in (400, 422):  # the platform's trouble (5xx, throttling, rights, a missing CRD), not
+            # the job's: it goes back to the queue, and the administrator sees why in the hub's log
+            self.log.error("gpupool job %s: the Kubernetes API answered %s to its Volcano Job: %s", job.id,
+                           error.status, said)
             await self._end(job, run, Ended(Event.PLATFORM_RESTART, None), periods.utcnow(), policy)
             return
         self.log.error("gpupool job %s: the Kubernetes API refused its Volcano Job (%s): %s", job.id,
@@ -271,12 +317,35 @@ class KubeJobRunner:
         if state.state in OVER:  # it will not run again by itself: a new Volcano Job when its turn comes
             await self._delete(job.id)
             return
-        profile = policy.profiles.get(job.profile)
+        problem = policy_problem(policy, job)
+        if problem:
+            await self._delete(job.id)
+            await asyncio.to_thread(self.store.refuse, job.id, problem, periods.utcnow())
+            return
+        profile = policy.profiles[job.profile]
         now = periods.utcnow()
-        holding = job_run_key(job.id, now) if profile is not None and profile.gpu is not None else None
-        run = await asyncio.to_thread(self.store.start_run, job.id, now, holding=holding,
-                                      cluster_retry=state.retries)
-        if run is not None:
+        holding = None
+        if profile.gpu is not None:  # a restart is a new run through the same door as any other
+            holding = job_run_key(job.id, now)
+            request = AdmissionRequest(user=job.user, team=job.team, at=now, profile=job.profile)
+            decision = (await asyncio.to_thread(notify.admit, policy, self.ledger, request, holding,
+                                                self.log)).decision
+            if not decision.admitted:  # its Volcano Job goes; the job waits (or fails) as a new submission would
+                await self._delete(job.id)
+                if decision.action == "deny":
+                    await asyncio.to_thread(self.store.refuse, job.id, decision.reason, now)
+                else:
+                    await asyncio.to_thread(self.store.set_reason, job.id, f"waiting for quota: {decision.reason}")
+                return
+        try:
+            run = await asyncio.to_thread(self.store.start_run, job.id, now, holding=holding,
+                                          cluster_retry=state.retries)
+        except BaseException:
+            await asyncio.shield(self._give_back(holding))
+            raise
+        if run is None:  # cancelled meanwhile
+            await self._give_back(holding)
+        else:
             await asyncio.to_thread(self.store.set_reason, job.id, f"restarted by Volcano: {state.reason}",
                                     ("running",))
             self.log.info("gpupool job %s: run %d is Volcano's restart %d", job.id, run.attempt, state.retries)
@@ -291,6 +360,12 @@ class KubeJobRunner:
         now = periods.utcnow()
         if job.cancel_requested or job.suspend_requested:
             if found is not None:
+                key = (job.id, _submission(found), run.cluster_retry or 0)
+                if key not in self.started and job.id not in self.deleting:
+                    await self._look(job.id)  # whether its pod ran, told sooner than the watch may
+                since = parse_time(self.started.get(key))
+                if since is not None and run.holding is not None:  # billed from its start until the Job is gone
+                    await self._bill(job, run, since, policy)
                 await self._delete(job.id)  # the pods get their grace period to save
                 return
             why = Event.CANCELLED if job.cancel_requested else Event.SUSPENDED
@@ -303,7 +378,7 @@ class KubeJobRunner:
             return
         state = job_state(found)
         retry = run.cluster_retry or 0
-        key = (job.id, retry)
+        key = (job.id, _submission(found), retry)
         over = state.retries > retry or state.state in OVER
         if over and key not in self.ends:
             await self._look(job.id)  # the watch may not have told yet: the pod itself, if it is still there
@@ -319,10 +394,9 @@ class KubeJobRunner:
             following = await self._end(job, run, ended, at, policy)
             if following is None:  # that run had been ended already
                 return
-            goes_on = following.action in (Action.RESTART, Action.REQUEUE)
-            if goes_on == (state.state in OVER):
-                # gpupool ends it while Volcano would restart it, or continues it where Volcano stopped: the
-                # Volcano Job goes (a new one is made when the job's turn comes again).
+            if state.state in OVER or following.action not in (Action.RESTART, Action.REQUEUE):
+                # Volcano is done with it (what it said is recorded; a job that goes on gets a new Volcano Job
+                # when its turn comes), or gpupool ends a job Volcano would restart: the Volcano Job goes.
                 await self._delete(job.id)
             return
         if state.state == "queued":
@@ -354,9 +428,9 @@ class KubeJobRunner:
         if run.holding:
             await asyncio.to_thread(self.ledger.close_run, run.holding, at, LEDGER_END[ended.event])
             self.billed.pop(run.holding, None)
-        key = (job.id, run.cluster_retry or 0)
-        self.ends.pop(key, None)
-        self.started.pop(key, None)
+        for key in [k for k in {*self.ends, *self.started} if k[0] == job.id and k[2] <= (run.cluster_retry or 0)]:
+            self.ends.pop(key, None)
+            self.started.pop(key, None)
         self.log.info("gpupool job %s: run %d ended (%s, exit %s): %s", job.id, run.attempt, ended.event.value,
                       ended.exit_code, following.reason if following is not None else "already ended")
         return following
@@ -374,6 +448,19 @@ class KubeJobRunner:
                 raise
         self.deleting.add(job_id)
         self.log.info("gpupool job %s: Volcano Job %s deleted", job_id, job_name(job_id))
+
+
+def _phase_state(found: Mapping[str, Any]) -> str:
+    """gpupool's state of a Volcano Job, `unknown` for a phase gpupool does not know (left alone)."""
+    try:
+        return job_state(found).state
+    except ValueError:
+        return "unknown"
+
+
+def _submission(obj: Mapping[str, Any] | None) -> str:
+    """Which Volcano Job of its job a Volcano Job or pod is (`jobs.SUBMISSION_LABEL`)."""
+    return (((obj or {}).get("metadata") or {}).get("labels") or {}).get(SUBMISSION_LABEL, "")
 
 
 def _from_phase(state: str) -> Ended:

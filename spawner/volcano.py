@@ -137,10 +137,14 @@ def job_class_value(policy: Policy, team: str, priority: str) -> int:
     return max(0, policy.teams[team].priority + offsets[priority] - offsets["normal"])
 
 
+#: The label naming the release an object of gpupool's belongs to.
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+
+
 def labels(release: Release, component: str, team: str | None = None) -> dict[str, str]:
     result = {
         "app.kubernetes.io/name": "gpupool",
-        "app.kubernetes.io/instance": release.name,
+        INSTANCE_LABEL: release.name,
         "app.kubernetes.io/component": component,
         "app.kubernetes.io/part-of": "gpupool",
     }

@@ -190,9 +190,9 @@ def test_the_hub_may_read_podgroups_run_volcano_jobs_and_list_nodes_and_nothing_
     role = rendered[("Role", NAMESPACE, "pool-hub-podgroups")]
     assert role["rules"] == [{"apiGroups": ["scheduling.volcano.sh"], "resources": ["podgroups"],
                               "verbs": ["get", "list", "watch"]},
-                             # the job runner's (gpupool.spawner.kubejobs): no update, no patch, no status
+                             # the job runner's (gpupool.spawner.kubejobs): what it calls, nothing more
                              {"apiGroups": ["batch.volcano.sh"], "resources": ["jobs"],
-                              "verbs": ["get", "list", "watch", "create", "delete"]}]
+                              "verbs": ["list", "create", "delete"]}]
     binding = rendered[("RoleBinding", NAMESPACE, "pool-hub-podgroups")]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pool-hub-podgroups"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "hub", "namespace": NAMESPACE}]

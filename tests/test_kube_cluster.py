@@ -506,10 +506,13 @@ async def job_cluster(cluster, tmp_path, ledger):
     with kc.VolcanoJobControllerDouble(cluster, NAMESPACE):
         yield SimpleNamespace(policy=load_policy(policies), custom=k8s.CustomObjectsApi(api),
                               core=k8s.CoreV1Api(api), store=JobStore(ledger.engine), ledger=ledger)
+        # What a failed test left goes while the double still deletes the pods of Jobs that are gone.
+        for job in cluster.get(f"/apis/batch.volcano.sh/v1alpha1/namespaces/{NAMESPACE}/jobs")["items"]:
+            cluster.api().delete(f"{cluster.url}/apis/batch.volcano.sh/v1alpha1/namespaces/{NAMESPACE}/jobs/"
+                                 f"{job['metadata']['name']}", timeout=10)
+        await until("no job pods left", lambda: not cluster.get(
+            f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector={JOB_ID_LABEL}")["items"])
     await api.close()
-    for job in cluster.get(f"/apis/batch.volcano.sh/v1alpha1/namespaces/{NAMESPACE}/jobs")["items"]:
-        cluster.api().delete(f"{cluster.url}/apis/batch.volcano.sh/v1alpha1/namespaces/{NAMESPACE}/jobs/"
-                             f"{job['metadata']['name']}", timeout=10)
 
 
 def runner_for(jobs) -> KubeJobRunner:
@@ -633,14 +636,7 @@ async def test_a_preempted_job_resumes_without_a_retry_counted_succeeds_and_a_ca
         run1 = jobs.store.runs(job.id)[0]
         assert (run1.event, run1.counted) == ("preempted", False) and now.restarts == 0  # max_restarts 0 still
 
-        # The container exits 0, as a kubelet reports it.
-        done = {"status": {"phase": "Succeeded", "containerStatuses": [
-            {"name": "train", "ready": False, "restartCount": 0, "image": pod["spec"]["containers"][0]["image"],
-             "imageID": "", "state": {"terminated": {"exitCode": 0, "reason": "Completed",
-                                                     "startedAt": pod["status"]["startTime"],
-                                                     "finishedAt": periods.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ")}}}]}}
-        cluster.kubectl("patch", "pod", "-n", NAMESPACE, pod["metadata"]["name"], "--subresource", "status",
-                        "--type", "merge", "-p", json.dumps(done))
+        succeed_as_a_kubelet_would(cluster, pod)
         ended = await until("the job succeeded", lambda: (j := jobs.store.get(job.id)).state == "succeeded" and j)
         assert ended.exit_code == 0 and ended.restarts == 0
         assert [i.how for i in billed_runs(ledger, job.id)] == [HowEnded.PREEMPTED, HowEnded.STOPPED]
@@ -657,13 +653,55 @@ async def test_a_preempted_job_resumes_without_a_retry_counted_succeeds_and_a_ca
         await runner.stop()
 
 
+def succeed_as_a_kubelet_would(cluster, pod: dict) -> None:
+    """The container exits 0, as a kubelet reports it."""
+    done = {"status": {"phase": "Succeeded", "containerStatuses": [
+        {"name": "train", "ready": False, "restartCount": 0, "image": pod["spec"]["containers"][0]["image"],
+         "imageID": "", "state": {"terminated": {"exitCode": 0, "reason": "Completed",
+                                                 "startedAt": pod["status"]["startTime"],
+                                                 "finishedAt": periods.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ")}}}]}}
+    cluster.kubectl("patch", "pod", "-n", NAMESPACE, pod["metadata"]["name"], "--subresource", "status",
+                    "--type", "merge", "-p", json.dumps(done))
+
+
+@pytest.mark.asyncio
+async def test_a_suspended_job_resumes_in_a_new_volcano_job_whose_pods_are_not_taken_for_the_last_ones(
+        cluster, kubeconfig, job_cluster, ledger):
+    jobs = job_cluster
+    job = submit(jobs, max_restarts=2)
+    runner = runner_for(jobs)
+    await runner.start()
+    try:
+        fail_through_kwok(cluster, await until("run 1's pod", lambda: running_pod(cluster, job.id, 0)), 3)
+        await until("Volcano's restart as run 2", lambda: running_pod(cluster, job.id, 1))
+        await until("run 2", lambda: jobs.store.get(job.id).runs == 2)
+        jobs.store.suspend(job.id, periods.utcnow())
+        await until("suspended", lambda: jobs.store.get(job.id).state == "suspended")
+        await until("its Volcano Job deleted", lambda: volcano_job_of(cluster, job.id) is None)
+        jobs.store.resume(job.id, periods.utcnow())
+        # A new Volcano Job of the same name, its pods counted from restart 0 again: the third submission.
+        pod = await until("run 3's pod", lambda: running_pod(cluster, job.id, 0))
+        assert pod["metadata"]["labels"]["gpupool.io/submission"] == "3"
+        await until("run 3", lambda: (j := jobs.store.get(job.id)).runs == 3 and j.state == "running")
+        succeed_as_a_kubelet_would(cluster, pod)
+        ended = await until("succeeded", lambda: (j := jobs.store.get(job.id)).state == "succeeded" and j)
+        assert ended.restarts == 1  # run 1's failure; the suspend is not a retry
+        assert [(r.event, r.counted) for r in jobs.store.runs(job.id)] == [
+            ("failed", True), ("suspended", False), ("succeeded", False)]
+        assert [i.how for i in billed_runs(ledger, job.id)] == [HowEnded.FAILED, HowEnded.STOPPED, HowEnded.STOPPED]
+        await until("the finished Volcano Job deleted", lambda: volcano_job_of(cluster, job.id) is None)
+    finally:
+        await runner.stop()
+
+
 #: The jobs service in its Kubernetes mode, as the chart runs it (templates/jobs.yaml), and the users' storage as
 #: z2jh's `singleuser.storage` and `uid`/`fsGid` configure KubeSpawner (a host path stands in for the home claim).
 KUBE_JOBS = """
 c.KubeSpawner.volumes = [{"name": "home-{username}", "hostPath": {"path": "/srv/homes/{username}"}}]
 c.KubeSpawner.volume_mounts = [{"name": "home-{username}", "mountPath": "/home/jovyan"}]
-c.KubeSpawner.uid = 1000
+c.KubeSpawner.uid = lambda spawner: 1000  # a callable, as KubeSpawner allows
 c.KubeSpawner.fs_gid = 100
+c.KubeSpawner.allow_privilege_escalation = False
 for _service in c.JupyterHub.services:
     if _service["name"] == "jobs":
         _service["environment"]["GPUPOOL_JOBS_MODE"] = "kubernetes"
@@ -723,6 +761,7 @@ def test_a_job_submitted_with_the_cli_runs_as_a_volcano_job_restarts_outlives_a_
             assert pod["spec"]["containers"][0]["volumeMounts"][0]["mountPath"] == "/home/jovyan"
             assert pod["spec"]["containers"][0]["workingDir"] == "/home/jovyan/project"
             assert pod["spec"]["securityContext"] == {"runAsUser": 1000, "fsGroup": 100}
+            assert pod["spec"]["containers"][0]["securityContext"] == {"allowPrivilegeEscalation": False}
             wait("running", lambda: shown(job_id)["state"] == "running")
             assert job_id in cli("list") and "running" in cli("list")
 

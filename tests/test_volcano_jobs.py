@@ -125,7 +125,8 @@ def test_a_hami_job_with_checkpoints_renders_as_this_volcano_job(examples):
     job = render(examples, env={"SEED": "1"}, workdir="/home/jovyan", max_restarts=2,
                  checkpoint_claim="gpupool-checkpoints")
     labels = {**LABELS, "gpupool.io/team": "vision", "gpupool.io/profile": "h200-quarter",
-              "gpupool.io/gpu-model": "H200", "gpupool.io/job-id": JOB_ID, "gpupool.io/user": "alice"}
+              "gpupool.io/gpu-model": "H200", "gpupool.io/job-id": JOB_ID, "gpupool.io/user": "alice",
+              "gpupool.io/submission": "1"}
     gpu = {"nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "25", "nvidia.com/gpucores": "25"}
     assert job == {
         "apiVersion": "batch.volcano.sh/v1alpha1",
@@ -286,7 +287,8 @@ async def test_the_job_pod_asks_for_what_gpukubespawner_asks_for_the_same_profil
     assert template(job)["metadata"]["annotations"] == pod["annotations"]
     assert job["metadata"]["annotations"]["volcano.sh/preemptable"] == pod["annotations"]["volcano.sh/preemptable"]
     labels = {k: v for k, v in template(job)["metadata"]["labels"].items() if k.startswith("gpupool.io/")}
-    assert labels == {**pod["labels"], "gpupool.io/job-id": JOB_ID, "gpupool.io/user": user}
+    assert labels == {**pod["labels"], "gpupool.io/job-id": JOB_ID, "gpupool.io/user": user,
+                      "gpupool.io/submission": "1"}
     assert {k: v for k, v in env(job).items() if k in pod["env"]} == pod["env"]
     assert container(job)["image"] == pod["image"]
 
@@ -375,6 +377,7 @@ HOME_STORAGE = {
     "volumes": ({"name": "volume-alice", "persistentVolumeClaim": {"claimName": "claim-alice"}},),
     "volume_mounts": ({"name": "volume-alice", "mountPath": "/home/jovyan"},),
     "security_context": {"runAsUser": 1000, "fsGroup": 100},
+    "container_security_context": {"allowPrivilegeEscalation": False},
     "checkpoint_claim": "team-ckpt",
 }
 
@@ -388,6 +391,7 @@ def test_a_job_mounts_its_users_storage_as_their_servers_do_beside_the_checkpoin
         {"name": "volume-alice", "mountPath": "/home/jovyan"},
         {"name": "checkpoints", "mountPath": "/checkpoints", "subPath": f"alice/{JOB_ID}"}]
     assert template(job)["spec"]["securityContext"] == {"runAsUser": 1000, "fsGroup": 100}
+    assert container(job)["securityContext"] == {"allowPrivilegeEscalation": False}
     assert container(job)["workingDir"] == "/home/jovyan/project"  # where `gpupool jobs submit` ran, in the home
     with pytest.raises(ValueError, match="distinct names"):
         render(examples, volumes=({"name": "checkpoints", "emptyDir": {}},), checkpoint_claim="team-ckpt")
@@ -504,16 +508,20 @@ def test_job_names_are_one_to_one_dns_labels():
 
 
 def _pod(phase: str, *, exit_code: int | None = None, reason: str | None = None, disruption: str | None = None,
-         preemptable: bool = False) -> dict:
+         preemptable: bool = False, finished: str | None = None, deleting: str | None = None) -> dict:
+    """A job's pod; `deleting`: its deletionTimestamp, 60 s of grace after the deletion was asked for."""
     status: dict = {"phase": phase}
     if exit_code is not None:
-        status["containerStatuses"] = [{"name": "train", "state": {"terminated": {"exitCode": exit_code}}}]
+        terminated = {"exitCode": exit_code, **({"finishedAt": finished} if finished else {})}
+        status["containerStatuses"] = [{"name": "train", "state": {"terminated": terminated}}]
     if reason:
         status["reason"] = reason
     if disruption:
         status["conditions"] = [{"type": "DisruptionTarget", "status": "True", "reason": disruption}]
-    return {"metadata": {"annotations": {"volcano.sh/preemptable": "true" if preemptable else "false"}},
-            "status": status}
+    metadata = {"annotations": {"volcano.sh/preemptable": "true" if preemptable else "false"}}
+    if deleting:
+        metadata.update(deletionTimestamp=deleting, deletionGracePeriodSeconds=60)
+    return {"metadata": metadata, "status": status}
 
 
 @pytest.mark.parametrize("pod, deleted, ended", [
@@ -531,6 +539,13 @@ def _pod(phase: str, *, exit_code: int | None = None, reason: str | None = None,
     (_pod("Running"), True, Ended(Event.NODE_LOST, None)),
     # a pod that failed and was then deleted failed
     (_pod("Failed", exit_code=1), True, Ended(Event.FAILED, 1)),
+    (_pod("Failed", exit_code=1, finished="2026-12-05T09:59:50Z", deleting="2026-12-05T10:01:00Z"), True,
+     Ended(Event.FAILED, 1)),
+    # the kubelet ended a deleted pod's container (SIGTERM: 143, or 0 after a checkpoint): the deletion did
+    (_pod("Failed", exit_code=143, finished="2026-12-05T10:00:31Z", deleting="2026-12-05T10:01:00Z"), True,
+     Ended(Event.NODE_LOST, 143)),
+    (_pod("Succeeded", exit_code=0, finished="2026-12-05T10:00:31Z", deleting="2026-12-05T10:01:00Z",
+          preemptable=True), False, Ended(Event.PREEMPTED, 0)),
 ])
 def test_how_a_run_ended_is_read_from_its_pod(pod, deleted, ended):
     assert pod_end(pod, deleted=deleted) == ended
