@@ -115,6 +115,9 @@ def test_jupyterlab_warns_before_the_stop_and_keeps_the_server(hub):
         browser.get(f"{hub.url}/user/alice/lab")
         # At JupyterLab's start, or at its next minute's check if loading it made the server busy meanwhile.
         browser.wait_for_text("will be stopped at", timeout=200)
+        # JupyterLab draws a notification's words before its buttons: read it once the buttons are there too.
+        browser.wait(lambda d: any("Keep it 1 h" in w for w in warnings(browser)), 60,
+                     f"the warning never showed its buttons: {warnings(browser)}")
         first = warnings(browser)
         assert len(first) == 1, first
         assert "Keep it 1 h" in first[0] and "UTC to give its GPU back to the pool" in first[0], first
