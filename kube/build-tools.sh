@@ -14,8 +14,11 @@ source "$here/versions.env"
 cache="${GPUPOOL_KUBE_CACHE:-$HOME/.cache/gpupool/kube}"
 dest="$cache/k8s-$KUBERNETES_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION"
 bins=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok)
-# complete: every binary, and KWOK's stages (copied last)
-complete() { for b in "${bins[@]}"; do [[ -x "$dest/bin/$b" ]] || return 1; done; [[ -f "$dest/kwok-stages/.complete" ]]; }
+# complete: every binary, KWOK's stages and its CRDs (copied last)
+complete() {
+  for b in "${bins[@]}"; do [[ -x "$dest/bin/$b" ]] || return 1; done
+  [[ -f "$dest/kwok-stages/.complete" && -f "$dest/kwok-crds/.complete" ]]
+}
 if [[ "${1:-}" == "--print-dir" ]]; then echo "$dest"; exit 0; fi
 if complete; then echo "kube-tools: up to date in $dest/bin"; exit 0; fi
 command -v go >/dev/null || { echo "kube-tools: the Go toolchain is needed (go on PATH)"; exit 1; }
@@ -84,6 +87,9 @@ fi
 kwokdir="$(cd "$work/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)"
 rm -rf "$dest/kwok-stages" && mkdir -p "$dest/kwok-stages" && cp -r "$kwokdir/kustomize/stage/." "$dest/kwok-stages/" && chmod -R u+w "$dest/kwok-stages"
 touch "$dest/kwok-stages/.complete"
+# KWOK's CRDs (Logs: the container logs its kubelet server serves, per pod), from the same module
+rm -rf "$dest/kwok-crds" && mkdir -p "$dest/kwok-crds" && cp "$kwokdir/kustomize/crd/bases/"*.yaml "$dest/kwok-crds/" && chmod -R u+w "$dest/kwok-crds"
+touch "$dest/kwok-crds/.complete"
 complete
 rm -rf "$GOCACHE"
 step "done: $(du -sh "$dest/bin" | cut -f1) of binaries in $dest/bin (Go modules: $(du -sh "$(go env GOMODCACHE)" | cut -f1) in $(go env GOMODCACHE))"

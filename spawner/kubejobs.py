@@ -18,7 +18,9 @@ does for the cluster what `jobrunner.JobRunner` does on one machine, from the sa
   is Volcano's restarted pod (or, after a Volcano Job that ended, a new Volcano Job when its turn comes);
 - each run is billed from the moment its pod runs (`Ledger.keep_run` from the container's start time), with
   a heartbeat while it runs, and closed when it ends: one interval per run, none overlapping;
-- a cancel or suspend deletes the Volcano Job (its pods get their grace period to save a checkpoint).
+- a cancel or suspend deletes the Volcano Job (its pods get their grace period to save a checkpoint);
+- each pod's output is read through the API server while it runs (`PodLogs`) into the job's log in the
+  database, so `gpupool jobs logs` and the job's page show every run's output after Volcano deleted the pods.
 
 Everything it knows is in the jobs table and the cluster, so a restarted hub goes on where the last one
 stopped; only a pod that ended and was deleted while no hub watched leaves no cause (the run then ends as
@@ -42,7 +44,8 @@ from gpupool.hub.accounting.restarts import Action, Ended, Event, Next
 from gpupool.policies.model import Policy
 from gpupool.policies.resources import profile_share
 from gpupool.spawner.jobs import (
-    JOB_API_VERSION, JOB_ID_LABEL, SUBMISSION_LABEL, JobSpec, job_name, job_state, pod_end, pod_retry, running_since, volcano_job,
+    JOB_API_VERSION, JOB_ID_LABEL, SUBMISSION_LABEL, TASK, JobSpec, job_name, job_state, pod_end, pod_retry,
+    running_since, volcano_job,
 )
 from gpupool.spawner.volcano import INSTANCE_LABEL, Release, team_queue
 
@@ -57,6 +60,15 @@ PLURAL = "jobs"
 END_WAIT_S = 10.0
 #: gpupool's states of a Volcano Job that will not run its pod again by itself.
 OVER = ("succeeded", "failed", "cancelled", "suspended")
+#: A pod's output is kept in pieces of at most this many bytes, written at least every `LOG_FLUSH_S` seconds.
+LOG_PIECE = 64 * 1024
+LOG_FLUSH_S = 1.0
+#: Reads of an ended pod's log that may fail (its node gone, say) before its output is given up.
+LOG_TRIES = 3
+#: Seconds a pod's log waits for the job's previous pod's to be all kept, so that runs follow one another.
+LOG_ORDER_WAIT_S = 30.0
+#: Seconds a run's end (or a stopping hub) waits for the logs of pods that ended to be kept to their end.
+STOP_WAIT_S = 5.0
 
 
 def parse_time(text: str | None) -> datetime | None:
@@ -87,6 +99,7 @@ class KubeJobRunner:
         self.deleting: set[str] = set()  # job ids whose Volcano Job this runner deleted and waits to see gone
         self.moved_on: dict[tuple[str, int], tuple[float, datetime]] = {}  # run's end unknown: since (monotonic, UTC)
         self.pods_seen = asyncio.Event()  # the watch's first list is in
+        self.pod_logs = PodLogs(store, core, namespace, log)
         self._tasks: list[asyncio.Task] = []
 
     # --- the loops ---------------------------------------------------------------------------------------
@@ -114,15 +127,17 @@ class KubeJobRunner:
                 continue
             self.log.warning("gpupool job %s: closed its ledger interval %s, left open by a crash", job_id, holding)
 
+    async def settle(self, job_id: str) -> None:
+        """Wait (at most `STOP_WAIT_S`) until the logs of the job's pods that ended are kept to their end."""
+        ending = [task for uid, (job, task) in self.tasks.items()
+                  if job == job_id and uid in self.over and not task.done()]
+        if ending:
+            await asyncio.wait(ending, timeout=STOP_WAIT_S)
+
     async def stop(self) -> None:
         """The hub goes down: stop watching (the Volcano Jobs go on; the next hub follows them)."""
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            try:
-                await task
-            except BaseException:  # noqa: BLE001 - cancelled, or it had failed and said so
-                pass
+        await _cancel(self._tasks)
+        await self.pod_logs.stop()
 
     async def _loop(self) -> None:
         await self.pods_seen.wait()  # how running pods ended is known before any run is judged
@@ -193,6 +208,7 @@ class KubeJobRunner:
         ended = pod_end(pod, deleted=deleted)
         if ended is not None:
             self.ends.setdefault(key, ended)
+        self.pod_logs.see(job_id, pod, ended)
 
     # --- one round -----------------------------------------------------------------------------------------
 
@@ -234,6 +250,7 @@ class KubeJobRunner:
         for key in [k for k in {*self.ends, *self.started} if k[0] not in live]:  # what the watch told of the
             self.ends.pop(key, None)  # pods of jobs that ended
             self.started.pop(key, None)
+        self.pod_logs.forget(live)
 
     async def _each(self, job_id: str, work) -> None:
         """One job's part of a round: its failure is said and tried again next round, the others go on."""
@@ -424,6 +441,7 @@ class KubeJobRunner:
         self.billed[run.holding] = (runs, time.monotonic())
 
     async def _end(self, job: Job, run: Run, ended: Ended, at: datetime, policy: Policy) -> Next | None:
+        await self.pod_logs.settle(job.id)  # the run's output is all in its log before its end is told
         following = await asyncio.to_thread(self.store.end_run, job.id, run.attempt, ended, at, policy)
         if run.holding:
             await asyncio.to_thread(self.ledger.close_run, run.holding, at, LEDGER_END[ended.event])
@@ -448,6 +466,158 @@ class KubeJobRunner:
                 raise
         self.deleting.add(job_id)
         self.log.info("gpupool job %s: Volcano Job %s deleted", job_id, job_name(job_id))
+
+
+class PodLogs:
+    """Keeps the jobs' pods' output in the jobs table (`JobStore.keep_log`): each pod's container log is read
+    through the API server (`GET …/pods/NAME/log?follow=true`, the kubelet's file) from when it runs until it has
+    ended, so a job's log holds every run's output after Volcano deleted the pods (a restart deletes them) and
+    after the pod's node is gone. A line before each pod's output says which pod and node it is, one after it how
+    it ended. Each pod's bytes are counted by its uid: a restarted hub reads a pod's log again and keeps only what
+    it had not. What a pod printed while no hub ran and that was deleted before the next one came is lost."""
+
+    def __init__(self, store: JobStore, core, namespace: str, log):
+        self.store, self.core, self.namespace, self.log = store, core, namespace, log
+        self.tasks: dict[str, tuple[str, asyncio.Task]] = {}  # pod uid → (job id, what keeps its log)
+        self.over: dict[str, Ended] = {}  # pod uid → how it ended, once it has
+
+    def see(self, job_id: str, pod: Mapping[str, Any], ended: Ended | None) -> None:
+        """What the watch (or a look) saw of a pod: its log is kept once its container runs."""
+        uid = (pod.get("metadata") or {}).get("uid")
+        if not uid:
+            return
+        if ended is not None:
+            self.over.setdefault(uid, ended)
+        if uid not in self.tasks and running_since(pod):
+            earlier = [task for job, task in self.tasks.values() if job == job_id and not task.done()]
+            task = asyncio.get_running_loop().create_task(self._keep(job_id, pod, uid, earlier))
+            self.tasks[uid] = (job_id, task)
+
+    def forget(self, live: Mapping[str, Any]) -> None:
+        """The pods of jobs that ended, whose logs are all kept."""
+        for uid, (job_id, task) in list(self.tasks.items()):
+            if job_id not in live and task.done():
+                del self.tasks[uid]
+                self.over.pop(uid, None)
+
+    async def settle(self, job_id: str) -> None:
+        """Wait (at most `STOP_WAIT_S`) until the logs of the job's pods that ended are kept to their end."""
+        ending = [task for uid, (job, task) in self.tasks.items()
+                  if job == job_id and uid in self.over and not task.done()]
+        if ending:
+            await asyncio.wait(ending, timeout=STOP_WAIT_S)
+
+    async def stop(self) -> None:
+        """The hub goes down: the logs of pods that ended get a moment to be kept to their end; the others are
+        read again by the next hub."""
+        ending = [task for uid, (_, task) in self.tasks.items() if uid in self.over and not task.done()]
+        if ending:
+            await asyncio.wait(ending, timeout=STOP_WAIT_S)
+        await _cancel([task for _, task in self.tasks.values()])
+
+    async def _keep(self, job_id: str, pod: Mapping[str, Any], uid: str, earlier: list[asyncio.Task]) -> None:
+        from kubernetes_asyncio.client import ApiException
+
+        if earlier:  # the last run's output and its end line come first (unless its pod hangs on a lost node)
+            await asyncio.wait(earlier, timeout=LOG_ORDER_WAIT_S)
+        name = pod["metadata"]["name"]
+        kept = await asyncio.to_thread(self.store.log_kept, job_id, uid)
+        node = (pod.get("spec") or {}).get("nodeName") or "?"
+        await self._note(job_id, f"gpupool:{uid}", f"--- gpupool: pod {name} on node {node}, started at "
+                                                    f"{running_since(pod)} ---\n")
+        failures = 0
+        while True:
+            over = uid in self.over  # then one read to its end; else followed until the stream ends
+            try:
+                kept = await self._read(job_id, name, uid, kept, follow=not over)
+                failures = 0
+            except asyncio.CancelledError:
+                raise
+            except ApiException as error:
+                if error.status == 404:  # the pod is gone: all it had is kept
+                    break
+                failures += 1
+                if over and failures >= LOG_TRIES:
+                    self.log.warning("gpupool job %s: the log of pod %s cannot be read (%s %s); its output is kept "
+                                     "up to byte %d", job_id, name, error.status, error.reason, kept)
+                    break
+                await asyncio.sleep(1)
+                continue
+            except Exception as error:  # noqa: BLE001 - the connection dropped: read again from where it was
+                failures += 1
+                if over and failures >= LOG_TRIES:
+                    self.log.warning("gpupool job %s: the log of pod %s cannot be read (%s)", job_id, name, error)
+                    break
+                await asyncio.sleep(1)
+                continue
+            if over:
+                break
+            await asyncio.sleep(LOG_FLUSH_S)  # the stream ended before its end was seen: read on from `kept`
+        ended = self.over.get(uid)
+        if ended is not None:
+            await self._note(job_id, f"gpupool-end:{uid}", f"--- gpupool: pod {name} {_how(ended)} ---\n")
+
+    async def _note(self, job_id: str, source: str, line: str) -> None:
+        """gpupool's own line in the job's log, once (a restarted hub does not write it again)."""
+        if not await asyncio.to_thread(self.store.log_kept, job_id, source):
+            await asyncio.to_thread(self.store.keep_log, job_id, source, line.encode())
+
+    async def _read(self, job_id: str, name: str, uid: str, kept: int, follow: bool) -> int:
+        """Read the pod's log from its start, keep what is past byte `kept` (what is kept already); how many bytes
+        are kept after it. Following, it stops when the stream ends (a kubelet ends it when the container
+        exits) or when the pod is seen to have ended and the log is quiet."""
+        from kubernetes_asyncio.client import ApiException
+
+        asked = asyncio.ensure_future(self.core.read_namespaced_pod_log(
+            name, self.namespace, container=TASK, follow=follow, _preload_content=False))
+        try:  # a followed log's answer may start only with its first byte: a quiet pod that ended has none
+            while not (await asyncio.wait({asked}, timeout=LOG_FLUSH_S))[0]:
+                if follow and uid in self.over:  # then read to its end without following
+                    asked.cancel()
+                    return kept
+        except asyncio.CancelledError:
+            asked.cancel()
+            raise
+        reply = asked.result()
+        seen, piece, written = 0, bytearray(), time.monotonic()
+        try:
+            if not 200 <= reply.status <= 299:  # unread, the client does not check it
+                raise ApiException(status=reply.status, reason=(await reply.read())[:500].decode("utf-8", "replace"))
+            while True:
+                try:
+                    data = await asyncio.wait_for(reply.content.readany(), timeout=LOG_FLUSH_S)
+                except asyncio.TimeoutError:
+                    data = None  # quiet for a while
+                if data:
+                    piece += data[max(0, kept - seen):]  # the bytes from `kept` on
+                    seen += len(data)
+                if piece and (not data or len(piece) >= LOG_PIECE or time.monotonic() - written >= LOG_FLUSH_S):
+                    await asyncio.to_thread(self.store.keep_log, job_id, uid, bytes(piece))
+                    kept += len(piece)
+                    piece.clear()
+                    written = time.monotonic()
+                if data == b"" or (data is None and uid in self.over):
+                    return kept
+        finally:
+            reply.close()
+
+
+def _how(ended: Ended) -> str:
+    """How a pod ended, for its log: by itself (with its exit code), or stopped (a preemption, a drain, a lost
+    node, a deletion), as the restart rules count it."""
+    if ended.event in (Event.SUCCEEDED, Event.FAILED):
+        return f"ended ({ended.event.value}, exit code {ended.exit_code})"
+    return f"stopped ({ended.event.value})"
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        try:
+            await task
+        except BaseException:  # noqa: BLE001 - cancelled, or it had failed and said so
+            pass
 
 
 def _phase_state(found: Mapping[str, Any]) -> str:

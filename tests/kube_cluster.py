@@ -55,6 +55,8 @@ def missing_tools() -> str | None:
     absent = [name for name in BINARIES if not (bin_dir / name).is_file()]
     if not (tools_dir() / "kwok-stages" / ".complete").is_file():
         absent.append("KWOK's stages")
+    if not (tools_dir() / "kwok-crds" / ".complete").is_file():
+        absent.append("KWOK's CRDs")
     if absent:
         return f"the Kubernetes control plane is not built ({', '.join(absent)} missing in {bin_dir}): run make kube-tools"
     if not VOLCANO_CRDS.is_dir():
@@ -215,7 +217,9 @@ class KubeCluster:
             "--service-cluster-ip-range", "10.96.0.0/16",
             "--enable-admission-plugins", "NamespaceLifecycle,ServiceAccount,Priority,DefaultTolerationSeconds",
             "--disable-admission-plugins", "StorageObjectInUseProtection,PersistentVolumeClaimResize",
-            "--enable-priority-and-fairness=false", "--profiling=false", "--v=1")
+            "--enable-priority-and-fairness=false", "--profiling=false", "--v=1",
+            # KWOK's nodes are reached at their InternalIP (loopback); their kubelet's certificate is its own
+            "--kubelet-preferred-address-types", "InternalIP")
         _wait("kube-apiserver", lambda: self.api().get(f"{self.url}/readyz", timeout=3).ok, 90,
               apiserver, self.base / "kube-apiserver.log")
         session = self.api()
@@ -238,12 +242,18 @@ class KubeCluster:
 
         stages = self.base / "kwok-stages.yaml"
         stages.write_text(yaml.safe_dump_all(_kwok_stages(self.stages)))
-        self._run("kwok", "--kubeconfig", str(self.kubeconfig), "--config", str(stages),
+        # KWOK's `Logs`: which file its kubelet server serves as a pod's container log (`container_log`)
+        self.kubectl("apply", "--server-side", "-f", str(tools_dir() / "kwok-crds" / "kwok.x-k8s.io_logs.yaml"))
+        _wait("KWOK's Logs CRD", lambda: session.get(f"{self.url}/apis/kwok.x-k8s.io/v1alpha1/logs", timeout=3).ok, 30)
+        self.kubelet_port = kubelet_port = _free_ports()
+        self._run("kwok", "--kubeconfig", str(self.kubeconfig), "--config", str(stages), "--enable-crds", "Logs",
                   "--manage-all-nodes=false", "--manage-nodes-with-annotation-selector",
                   ",".join(f"{k}={v}" for k, v in FAKE_NODE.items()),
                   # pods get loopback addresses: a server the tests run for a pod (PodProcesses) is reachable there
                   "--node-ip", "127.0.0.1", "--cidr", "127.244.0.1/16",
-                  "--node-lease-duration-seconds", "40", "--server-address", f"127.0.0.1:{_free_ports()}")
+                  "--node-lease-duration-seconds", "40",
+                  # its kubelet server (HTTPS), which the nodes advertise: the API server reads pods' logs there
+                  "--server-address", f"127.0.0.1:{kubelet_port}", "--node-port", str(kubelet_port))
 
         self.kubectl("apply", "--server-side", "-f", str(VOLCANO_CRDS))
         _wait("Volcano's CRDs", lambda: all(
@@ -295,6 +305,37 @@ class KubeCluster:
         reply = self.api().get(f"{self.url}{path}", timeout=10)
         reply.raise_for_status()
         return reply.json()
+
+    def container_log(self, pod: dict, container: str, lines: list[str]) -> Path:
+        """Write what a pod's container printed, as a container runtime writes it (the CRI log format the kubelet
+        serves; one file per pod, by uid: a pod of the same name made again starts a new log), and tell KWOK's
+        kubelet server to serve that file as the container's log (its `Logs` object, named as the pod):
+        `GET …/pods/NAME/log` through the API server then reads it, `follow` included. Called again, it appends."""
+        meta = pod["metadata"]
+        path = self.base / "container-logs" / meta["namespace"] / f"{meta['name']}_{meta['uid']}_{container}.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists()
+        with open(path, "a") as log:
+            for line in lines:
+                stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{time.time_ns() % 10**9:09d}Z"
+                log.write(f"{stamp} stdout F {line}\n")
+        if new:
+            self.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps({
+                "apiVersion": "kwok.x-k8s.io/v1alpha1", "kind": "Logs",
+                "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+                "spec": {"logs": [{"containers": [container], "logsFile": str(path), "follow": True}]}}))
+        return path
+
+    def forget_container_log(self, namespace: str, pod: str, container: str) -> None:
+        """Before a new pod of a used name runs (Volcano names a Job's pods the same on every restart): the last
+        one's `Logs` goes, and KWOK's kubelet server no longer serves its file under that name (KWOK keys logs by
+        pod name, a kubelet by pod uid)."""
+        gone = self.kubectl("delete", "logs.kwok.x-k8s.io", pod, "-n", namespace, "--ignore-not-found", "--wait")
+        if not gone.stdout.strip():
+            return
+        url = f"http://127.0.0.1:{self.kubelet_port}/containerLogs/{namespace}/{pod}/{container}"
+        _wait(f"KWOK to forget the log of {pod}", lambda: requests.get(url, timeout=5).status_code != 200,
+              30)
 
     def add_node(self, name: str, labels: dict[str, str], allocatable: dict[str, str],
                  taints: list[dict] | None = None) -> dict:
@@ -498,11 +539,13 @@ class VolcanoJobControllerDouble(Rounds):
                                             "volcano.sh/job-retry-count": str(retries),
                                             "scheduling.k8s.io/group-name": name}},
                "spec": template["spec"]}
+        self.cluster.forget_container_log(self.namespace, pod["metadata"]["name"], task["name"])
         reply = session.post(self._url("pods", core=True), json=pod, timeout=10)
         if reply.status_code not in (201, 409):  # 409: the last pod is still being deleted; the next round
             raise RuntimeError(f"pod of {name}: {reply.status_code} {reply.text[:300]}")
         if reply.status_code == 201:
             self.made[job["metadata"]["uid"]] = retries
+            self.cluster.container_log(reply.json(), task["name"], [])  # its container's log starts empty
         if phase := (job.get("status") or {}).get("state", {}).get("phase"):
             if phase == "Restarting":
                 self._status(session, job, "Pending", retries)

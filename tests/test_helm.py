@@ -192,7 +192,9 @@ def test_the_hub_may_read_podgroups_run_volcano_jobs_and_list_nodes_and_nothing_
                               "verbs": ["get", "list", "watch"]},
                              # the job runner's (gpupool.spawner.kubejobs): what it calls, nothing more
                              {"apiGroups": ["batch.volcano.sh"], "resources": ["jobs"],
-                              "verbs": ["list", "create", "delete"]}]
+                              "verbs": ["list", "create", "delete"]},
+                             # its pods' output into the jobs' logs (z2jh's hub Role has no pods/log)
+                             {"apiGroups": [""], "resources": ["pods/log"], "verbs": ["get"]}]
     binding = rendered[("RoleBinding", NAMESPACE, "pool-hub-podgroups")]
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "pool-hub-podgroups"}
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "hub", "namespace": NAMESPACE}]

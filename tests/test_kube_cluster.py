@@ -20,6 +20,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,7 +39,7 @@ from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.jobs import Job, JobStore, JobSubmission, resolve
 from gpupool.hub.accounting.ledger import HowEnded, State
 from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR, load_policy
-from gpupool.spawner.jobs import EVICTION_HEADROOM, JOB_ID_LABEL, JobSpec, job_name, volcano_job
+from gpupool.spawner.jobs import EVICTION_HEADROOM, JOB_ID_LABEL, JobSpec, job_name, running_since, volcano_job
 from gpupool.spawner.kubejobs import KubeJobRunner
 from gpupool.spawner.kube import GPUKubeSpawner
 from gpupool.spawner.usage import get_ledger
@@ -557,6 +558,19 @@ def fail_through_kwok(cluster, pod: dict, exit_code: int) -> None:
     cluster.kubectl("patch", "pod", "-n", NAMESPACE, pod["metadata"]["name"], "--type", "merge", "-p", json.dumps(patch))
 
 
+def job_log_text(jobs, job_id: str) -> str:
+    return jobs.store.read_log(job_id, 0, 1 << 20).decode()
+
+
+def pod_header(pod: dict) -> str:
+    return (f"--- gpupool: pod {pod['metadata']['name']} on node {pod['spec']['nodeName']}, started at "
+            f"{running_since(pod)} ---\n")
+
+
+def pod_footer(pod: dict, how: str) -> str:
+    return f"--- gpupool: pod {pod['metadata']['name']} ended ({how}) ---\n"
+
+
 def volcano_job_of(cluster, job_id: str) -> dict | None:
     reply = cluster.api().get(f"{cluster.url}/apis/batch.volcano.sh/v1alpha1/namespaces/{NAMESPACE}/jobs/"
                               f"{job_name(job_id)}", timeout=10)
@@ -589,15 +603,20 @@ async def test_a_job_is_a_volcano_job_whose_failures_restart_it_until_its_restar
         (first,) = await until("run 1 billed", lambda: [i for i in billed_runs(ledger, job.id)
                                                         if i.state == State.RUNNING] or None)
         assert (first.user, first.team, first.model, first.share) == ("alice", "vision", "H200", Fraction(1, 4))
+        # What the container prints, read through the API server from KWOK's kubelet server into the job's log.
+        cluster.container_log(pod, "train", ["step 1 loss 0.9", "step 2 loss 0.8"])
+        await until("run 1's output kept", lambda: "step 2 loss 0.8" in job_log_text(jobs, job.id))
 
         fail_through_kwok(cluster, pod, 3)
-        await until("Volcano's restart as run 2", lambda: running_pod(cluster, job.id, 1))
+        pod2 = await until("Volcano's restart as run 2", lambda: running_pod(cluster, job.id, 1))
+        cluster.container_log(pod2, "train", ["resumed from step 2"])
         now = await until("run 2 running", lambda: (j := jobs.store.get(job.id)).runs == 2 and j.state == "running"
                           and j)
         assert now.restarts == 1
         run1 = jobs.store.runs(job.id)[0]
         assert (run1.event, run1.exit_code, run1.counted) == ("failed", 3, True)
 
+        await until("run 1's end noted", lambda: " ended (" in job_log_text(jobs, job.id))
         # A restart of the hub: a new runner follows run 2 where the last one stopped.
         await runner.stop()
         runner = runner_for(jobs)
@@ -605,6 +624,8 @@ async def test_a_job_is_a_volcano_job_whose_failures_restart_it_until_its_restar
         await until("run 2 billed", lambda: len([i for i in billed_runs(ledger, job.id)
                                                   if i.state == State.RUNNING]) == 2)
         assert jobs.store.get(job.id).runs == 2
+        cluster.container_log(pod2, "train", ["step 3 loss 0.7"])
+        await until("run 2's output kept", lambda: "step 3 loss 0.7" in job_log_text(jobs, job.id))
 
         fail_through_kwok(cluster, running_pod(cluster, job.id, 1), 3)
         ended = await until("the job failed", lambda: (j := jobs.store.get(job.id)).state == "failed" and j)
@@ -613,6 +634,18 @@ async def test_a_job_is_a_volcano_job_whose_failures_restart_it_until_its_restar
         await until("the Volcano Job deleted", lambda: volcano_job_of(cluster, job.id) is None)
         runs = billed_runs(ledger, job.id)
         assert len(runs) == 2 and all(i.end is not None and i.how == HowEnded.FAILED for i in runs)
+        # Both runs' output, each byte once (the restarted hub read run 2's log again and kept only what was new),
+        # with which pod and node each was and how it ended, after Volcano deleted both pods.
+        await until("its pods gone", lambda: job_pod(cluster, job.id) is None)
+        await until("the pods' logs all kept", lambda: all(task.done() for _, task in runner.pod_logs.tasks.values()))
+        expected = (f"{pod_header(pod)}step 1 loss 0.9\nstep 2 loss 0.8\n{pod_footer(pod, 'failed, exit code 3')}"
+                    f"{pod_header(pod2)}resumed from step 2\nstep 3 loss 0.7\n{pod_footer(pod2, 'failed, exit code 3')}")
+        text = job_log_text(jobs, job.id)
+        assert text.startswith(expected)
+        # Volcano may have started its next restart before gpupool deleted the Job: a pod that printed nothing here
+        assert re.fullmatch(r"(--- gpupool: pod \S+ on node \S+, started at \S+ ---\n"
+                            r"--- gpupool: pod \S+ stopped \(node-lost\) ---\n)?", text[len(expected):])
+        assert jobs.store.read_log(job.id, 20, 16) == job_log_text(jobs, job.id).encode()[20:36]
     finally:
         await runner.stop()
 
@@ -753,6 +786,7 @@ def test_a_job_submitted_with_the_cli_runs_as_a_volcano_job_restarts_outlives_a_
             job_id = said.split()[1]
             assert "no checkpoint folder" in said  # the example policy names no checkpoint claim
             pod = wait("the job's pod Running", lambda: running_pod(cluster, job_id, 0))
+            cluster.container_log(pod, "train", ["epoch 1 of 3"])
             assert pod["metadata"]["labels"]["gpupool.io/user"] == "alice"
             assert {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}["GPUPOOL_JOB_ID"] == job_id
             # alice's storage as her servers get it: the job works in her home, as her user
@@ -764,6 +798,7 @@ def test_a_job_submitted_with_the_cli_runs_as_a_volcano_job_restarts_outlives_a_
             assert pod["spec"]["containers"][0]["securityContext"] == {"allowPrivilegeEscalation": False}
             wait("running", lambda: shown(job_id)["state"] == "running")
             assert job_id in cli("list") and "running" in cli("list")
+            wait("the pod's output in `gpupool jobs logs`", lambda: "epoch 1 of 3\n" in cli("logs", job_id))
 
             fail_through_kwok(cluster, pod, 3)
             job = wait("run 2", lambda: len((j := shown(job_id))["runs"]) == 2 and j["state"] == "running" and j)
@@ -776,12 +811,27 @@ def test_a_job_submitted_with_the_cli_runs_as_a_volcano_job_restarts_outlives_a_
             job = shown(job_id)
             assert (job["state"], len(job["runs"])) == ("running", 2) and running_pod(cluster, job_id, 1) is not None
 
-            logs = subprocess.run([str(platform_command(None)), "jobs", "logs", job_id], cwd=folder, env={
-                **os.environ, "JUPYTERHUB_API_TOKEN": token, "GPUPOOL_HUB_URL": hub.url + "/"},
-                capture_output=True, text=True, timeout=120)
-            assert logs.returncode != 0 and f"kubectl logs -l gpupool.io/job-id={job_id}" in logs.stderr
+            # `gpupool jobs logs --follow` prints run 1's output (its pod deleted by Volcano's restart), then run
+            # 2's as it comes, and ends when the job has ended, with how its last pod ended.
+            pod2 = running_pod(cluster, job_id, 1)
+            follow = subprocess.Popen([str(platform_command(None)), "jobs", "logs", job_id, "--follow"], cwd=folder,
+                                      env={**os.environ, "JUPYTERHUB_API_TOKEN": token,
+                                           "GPUPOOL_HUB_URL": hub.url + "/"},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                cluster.container_log(pod2, "train", ["resumed: epoch 2 of 3"])
+                wait("run 2's output", lambda: "resumed: epoch 2 of 3" in cli("logs", job_id))
+                assert "epoch 1 of 3\n--- gpupool: pod " in shown(job_id)["log_tail"]  # the job's page and `show`
 
-            cli("cancel", job_id)
+                cli("cancel", job_id)
+                printed, errors = follow.communicate(timeout=120)
+            finally:
+                follow.kill()
+            assert follow.returncode == 0, errors
+            assert printed == cli("logs", job_id)
+            assert printed.endswith(f"resumed: epoch 2 of 3\n--- gpupool: pod {pod2['metadata']['name']} "
+                                    "stopped (node-lost) ---\n")
+            assert printed.count("epoch 1 of 3") == 1 and "ended (failed, exit code 3)" in printed
             job = wait("cancelled", lambda: (j := shown(job_id))["state"] == "cancelled" and j)
             wait("the Volcano Job deleted", lambda: volcano_job_of(cluster, job_id) is None)
             wait("its pod deleted", lambda: job_pod(cluster, job_id) is None)

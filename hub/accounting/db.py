@@ -249,6 +249,29 @@ class JobRun(Base):
     )
 
 
+class JobLog(Base):
+    """Kubernetes mode: a piece of a job's output, read from its pods' logs by the hub's job runner before Volcano
+    deletes them (the embedded mode writes a file instead). A job's log is its pieces in `start` order."""
+
+    __tablename__ = "accounting_job_logs"
+
+    id: Mapped[int] = mapped_column(sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(sa.String(32), sa.ForeignKey("accounting_jobs.id", ondelete="CASCADE"))
+    #: Where it came from: a pod's uid (so a restarted hub knows how much of that pod's log it has), or
+    #: `gpupool:` and the pod's uid for the line gpupool writes before a pod's output.
+    source: Mapped[str] = mapped_column(sa.String(80))
+    #: Its first byte's offset in the job's log, and its bytes.
+    start: Mapped[int] = mapped_column(sa.BigInteger)
+    data: Mapped[bytes] = mapped_column(sa.LargeBinary)
+    size: Mapped[int] = mapped_column(sa.Integer)
+
+    __table_args__ = (
+        sa.UniqueConstraint("job_id", "start"),
+        sa.CheckConstraint("start >= 0 AND size > 0", name="piece_not_empty"),
+        sa.Index(None, "job_id", "source"),
+    )
+
+
 class IdleServer(Base):
     """The idle culler's record of one server run that holds a GPU share (`idleness.IdleRecord`): since when it
     is idle, its warning, its user's "keep it", and the culler's stop. A stop asked for here makes the run's

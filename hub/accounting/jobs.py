@@ -29,6 +29,7 @@ from gpupool.policies.model import JOB_PRIORITIES, Policy
 
 JOBS = db.Job.__table__
 RUNS = db.JobRun.__table__
+LOGS = db.JobLog.__table__
 
 #: Environment variables a job may not set: the platform's own (its share, its identity, its hub token).
 RESERVED_ENV = re.compile(r"(GPUPOOL_|CUDA_|JUPYTERHUB_|MLFLOW_TRACKING_|NVIDIA_).*|PATH|HOME|USER|LOGNAME")
@@ -472,6 +473,54 @@ class JobStore:
         return self.get(job_id)
 
 
+    # --- the Kubernetes mode's logs (`db.JobLog`) ---------------------------------------------------------
+
+    def log_kept(self, job_id: str, source: str) -> int:
+        """Bytes of `source` (a pod's uid) kept in the job's log so far."""
+        with self.engine.connect() as connection:
+            return connection.execute(sa.select(sa.func.coalesce(sa.func.sum(LOGS.c.size), 0)).where(
+                LOGS.c.job_id == job_id, LOGS.c.source == source)).scalar_one()
+
+    def keep_log(self, job_id: str, source: str, data: bytes) -> None:
+        """Append `data` to the job's log, in one transaction (the write lock on SQLite orders the appends; on
+        PostgreSQL the (job, start) key refuses a second writer's piece at the same offset, which goes again)."""
+        if not data:
+            return
+        while True:
+            try:
+                with self._writer.begin() as connection:
+                    end = connection.execute(sa.select(sa.func.coalesce(sa.func.max(LOGS.c.start + LOGS.c.size), 0))
+                                             .where(LOGS.c.job_id == job_id)).scalar_one()
+                    connection.execute(LOGS.insert().values(job_id=job_id, source=source, start=end, data=data,
+                                                            size=len(data)))
+                return
+            except sa.exc.IntegrityError:
+                if self.get(job_id) is None:
+                    return  # the job is gone: nothing to keep
+                continue  # another piece took that offset first
+
+    def read_log(self, job_id: str, offset: int, limit: int) -> bytes:
+        """At most `limit` bytes of the job's log from byte `offset` (b"" past its end)."""
+        with self.engine.connect() as connection:
+            rows = connection.execute(
+                sa.select(LOGS.c.start, LOGS.c.data).where(LOGS.c.job_id == job_id,
+                                                           LOGS.c.start + LOGS.c.size > offset,
+                                                           LOGS.c.start < offset + limit)
+                .order_by(LOGS.c.start)).all()
+        data = b"".join(row.data for row in rows)
+        if not rows:
+            return b""
+        skip = offset - rows[0].start
+        return data[skip:skip + limit]
+
+    def log_tail(self, job_id: str, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
+        """The last `lines` lines of the job's log (of at most its last `max_bytes`)."""
+        with self.engine.connect() as connection:
+            end = connection.execute(sa.select(sa.func.coalesce(sa.func.max(LOGS.c.start + LOGS.c.size), 0))
+                                     .where(LOGS.c.job_id == job_id)).scalar_one()
+        start = max(0, end - max_bytes)
+        return tail_text(self.read_log(job_id, start, max_bytes), lines, cut=start > 0)
+
 def job_folder(state_dir: str | Path, job_id: str) -> Path:
     """The hub's folder of job `job_id` in the platform's state folder (its log; private to the hub)."""
     if not JOB_ID.fullmatch(job_id):
@@ -500,9 +549,14 @@ def log_tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
             data = log.read()
     except OSError:
         return ""
+    return tail_text(data, lines, cut=size > max_bytes)
+
+
+def tail_text(data: bytes, lines: int, cut: bool) -> str:
+    """The last `lines` lines of a log's last bytes `data` (`cut`: its first line is a part of one)."""
     text = data.decode("utf-8", "replace")
-    if size > max_bytes:
-        text = text.split("\n", 1)[-1]  # the first line is cut
+    if cut:
+        text = text.split("\n", 1)[-1]
     return "\n".join(text.splitlines()[-lines:])
 
 

@@ -25,7 +25,7 @@ from tornado import ioloop, web
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import format_hours
 from gpupool.hub.accounting.jobs import (
-    DEFAULT_CHECKPOINT_MOUNT, JOB_ID, JOB_ID_LABEL, Job, JobRefused, JobStore, JobSubmission, default_checkpoint_dir,
+    DEFAULT_CHECKPOINT_MOUNT, JOB_ID, Job, JobRefused, JobStore, JobSubmission, default_checkpoint_dir,
     job_log, log_tail, resolve,
 )
 from gpupool.hub.accounting.ledger import Ledger
@@ -40,7 +40,8 @@ log = logging.getLogger("gpupool.jobs")
 #: The most of a log one request returns (`GET …/log`); more comes with the next offset.
 LOG_CHUNK = 256 * 1024
 #: `embedded` (the default: the hub process runs the jobs on this machine) or `kubernetes` (the hub submits them
-#: as Volcano Jobs: images are the cluster's to pull, checkpoints go on the policy's claim, output in the pods).
+#: as Volcano Jobs: images are the cluster's to pull, checkpoints go on the policy's claim, and the output is what
+#: the hub read from the pods' logs into the database).
 MODE_ENV = "GPUPOOL_JOBS_MODE"
 #: Lines of the log's tail on the job's page and in `GET /api/jobs/ID`.
 TAIL_LINES = 40
@@ -85,7 +86,8 @@ class JobsHandler(AccountingHandler):
                      for r in runs],
         })
         if tail:
-            out["log_tail"] = log_tail(job_log(self.settings["state_dir"], job.id), TAIL_LINES)
+            out["log_tail"] = (self.store.log_tail(job.id, TAIL_LINES) if self.settings["kubernetes"]
+                               else log_tail(job_log(self.settings["state_dir"], job.id), TAIL_LINES))
         return out
 
     def body(self) -> dict:
@@ -186,20 +188,19 @@ class LogHandler(JobsHandler):
     @web.authenticated
     def get(self, job_id: str):
         job = self.job_or_404(job_id)
-        if self.settings["kubernetes"]:
-            raise web.HTTPError(409, f"in the Kubernetes mode a job's output is its pod's log, which gpupool does not "
-                                     f"keep yet: kubectl logs -l {JOB_ID_LABEL}={job.id} (in the hub's namespace)")
         text = self.get_argument("offset", "0")
         if not text.isdigit():
             raise web.HTTPError(400, f"offset must be a whole number of bytes, not {text[:20]!r}")
         offset = int(text)
-        path = job_log(self.settings["state_dir"], job.id)
-        try:
-            with open(path, "rb") as log_file:
-                log_file.seek(offset)
-                data = log_file.read(LOG_CHUNK)
-        except FileNotFoundError:
-            data = b""
+        if self.settings["kubernetes"]:  # its pods' output, kept by the hub's job runner (`KubeJobRunner`)
+            data = self.store.read_log(job.id, offset, LOG_CHUNK)
+        else:
+            try:
+                with open(job_log(self.settings["state_dir"], job.id), "rb") as log_file:
+                    log_file.seek(offset)
+                    data = log_file.read(LOG_CHUNK)
+            except FileNotFoundError:
+                data = b""
         self.set_header("Content-Type", "text/plain; charset=utf-8")
         self.set_header("X-Log-Offset", str(offset + len(data)))
         self.set_header("X-Job-State", job.state)

@@ -260,3 +260,44 @@ def test_the_tables_refuse_what_no_code_path_writes(store, jobs_policy):
 
 def test_the_run_events_are_the_restart_rules_events():
     assert tuple(Event) == db.RUN_EVENTS
+
+
+# --- the Kubernetes mode's logs ---------------------------------------------------------------------------------
+
+
+def test_a_jobs_log_is_its_pieces_in_order_read_from_any_offset_and_counted_per_source(store, jobs_policy):
+    job, other = submit(store, jobs_policy), submit(store, jobs_policy, user="bob")
+    store.keep_log(job.id, "pod-a", b"step 1\nstep")
+    store.keep_log(other.id, "pod-x", b"bob's\n")
+    store.keep_log(job.id, "pod-a", b" 2\n")
+    store.keep_log(job.id, "pod-b", b"resumed\n")
+    store.keep_log(job.id, "pod-b", b"")  # nothing to keep: no piece
+    whole = b"step 1\nstep 2\nresumed\n"
+    assert store.read_log(job.id, 0, 1 << 20) == whole
+    assert all(store.read_log(job.id, start, size) == whole[start:start + size]
+               for start in range(len(whole) + 2) for size in (1, 3, 8, 100))
+    assert (store.log_kept(job.id, "pod-a"), store.log_kept(job.id, "pod-b"), store.log_kept(job.id, "pod-c")) == (
+        14, 8, 0)
+    assert store.log_tail(job.id, lines=2) == "step 2\nresumed"
+    assert store.log_tail(job.id, lines=5, max_bytes=10) == "resumed"  # the cut first line is left out
+    assert store.read_log(other.id, 0, 100) == b"bob's\n" and store.log_tail("nosuchjob") == ""
+
+
+def test_concurrent_writers_of_one_jobs_log_lose_no_piece(store, jobs_policy):
+    job = submit(store, jobs_policy)
+    barrier = threading.Barrier(6)
+
+    def write(source: str):
+        barrier.wait()
+        for n in range(10):
+            store.keep_log(job.id, source, f"{source} {n}\n".encode())
+
+    threads = [threading.Thread(target=write, args=(f"pod-{i}",)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    lines = store.read_log(job.id, 0, 1 << 20).decode().splitlines()
+    assert sorted(lines) == sorted(f"pod-{i} {n}" for i in range(6) for n in range(10))
+    for i in range(6):  # each writer's pieces in its order
+        assert [line for line in lines if line.startswith(f"pod-{i} ")] == [f"pod-{i} {n}" for n in range(10)]
