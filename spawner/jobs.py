@@ -356,14 +356,22 @@ def pod_retry(pod: Mapping[str, Any]) -> int | None:
     return int(value) if isinstance(value, str) and value.isdigit() else None
 
 
-def pod_exit_code(pod: Mapping[str, Any]) -> int | None:
-    """The exit code of the job's container, once it has terminated."""
+def _terminated(pod: Mapping[str, Any]) -> Mapping[str, Any]:
     for container in (pod.get("status") or {}).get("containerStatuses") or []:
         if container.get("name") == TASK:
-            terminated = (container.get("state") or {}).get("terminated") or {}
-            code = terminated.get("exitCode")
-            return code if isinstance(code, int) else None
-    return None
+            return (container.get("state") or {}).get("terminated") or {}
+    return {}
+
+
+def pod_exit_code(pod: Mapping[str, Any]) -> int | None:
+    """The exit code of the job's container, once it has terminated."""
+    code = _terminated(pod).get("exitCode")
+    return code if isinstance(code, int) else None
+
+
+def finished_at(pod: Mapping[str, Any]) -> str | None:
+    """When the job's container terminated (RFC 3339, as the API gives it); None while it has not."""
+    return _terminated(pod).get("finishedAt") or None
 
 
 def pod_end(pod: Mapping[str, Any], *, deleted: bool = False) -> Ended | None:

@@ -44,8 +44,8 @@ from gpupool.hub.accounting.restarts import Action, Ended, Event, Next
 from gpupool.policies.model import Policy
 from gpupool.policies.resources import profile_share
 from gpupool.spawner.jobs import (
-    JOB_API_VERSION, JOB_ID_LABEL, SUBMISSION_LABEL, TASK, JobSpec, job_name, job_state, pod_end, pod_retry,
-    running_since, volcano_job,
+    JOB_API_VERSION, JOB_ID_LABEL, SUBMISSION_LABEL, TASK, JobSpec, finished_at, job_name, job_state, pod_end,
+    pod_retry, running_since, volcano_job,
 )
 from gpupool.spawner.volcano import INSTANCE_LABEL, Release, team_queue
 
@@ -58,6 +58,9 @@ PLURAL = "jobs"
 #: Seconds a run whose Volcano Job moved on waits for the pod watch to tell how its pod ended (the watch's lag;
 #: Volcano deletes a pod it restarts, so only the watch saw its end) before it ends as `node-lost`.
 END_WAIT_S = 10.0
+#: Seconds past the grace period a cancelled or suspended job's Volcano Job may take to go (its pod's deletion)
+#: before its run ends anyway (a pod on a lost node stays Terminating until the node is back or removed).
+DELETE_WAIT_S = 60.0
 #: gpupool's states of a Volcano Job that will not run its pod again by itself.
 OVER = ("succeeded", "failed", "cancelled", "suspended")
 #: A pod's output is kept in pieces of at most this many bytes, written at least every `LOG_FLUSH_S` seconds.
@@ -95,8 +98,10 @@ class KubeJobRunner:
         #: suspend, a cancelled restart) from the last one, whose pods' late events must not count for it.
         self.ends: dict[tuple[str, str, int], Ended] = {}
         self.started: dict[tuple[str, str, int], str] = {}
+        self.finished: dict[tuple[str, str, int], str] = {}  # when its container terminated, where it did
         self.billed: dict[str, tuple[bool, float]] = {}  # run holding → (billed as running, when written)
-        self.deleting: set[str] = set()  # job ids whose Volcano Job this runner deleted and waits to see gone
+        #: Job ids whose Volcano Job this runner deleted and waits to see gone, with when it asked (monotonic).
+        self.deleting: dict[str, float] = {}
         self.moved_on: dict[tuple[str, int], tuple[float, datetime]] = {}  # run's end unknown: since (monotonic, UTC)
         self.pods_seen = asyncio.Event()  # the watch's first list is in
         self.pod_logs = PodLogs(store, core, namespace, log)
@@ -208,6 +213,8 @@ class KubeJobRunner:
         ended = pod_end(pod, deleted=deleted)
         if ended is not None:
             self.ends.setdefault(key, ended)
+            if finished := finished_at(pod):
+                self.finished.setdefault(key, finished)
         self.pod_logs.see(job_id, pod, ended)
 
     # --- one round -----------------------------------------------------------------------------------------
@@ -234,7 +241,7 @@ class KubeJobRunner:
                          (job.id, run) for job, run in self.store.running())))
         for job_id in list(self.deleting):
             if job_id not in cluster:
-                self.deleting.discard(job_id)
+                del self.deleting[job_id]
         for job in live.values():
             found = cluster.get(job.id)
             if job.state == "running" and job.id in running:
@@ -250,6 +257,7 @@ class KubeJobRunner:
         for key in [k for k in {*self.ends, *self.started} if k[0] not in live]:  # what the watch told of the
             self.ends.pop(key, None)  # pods of jobs that ended
             self.started.pop(key, None)
+            self.finished.pop(key, None)
         self.pod_logs.forget(live)
 
     async def _each(self, job_id: str, work) -> None:
@@ -383,6 +391,15 @@ class KubeJobRunner:
                 since = parse_time(self.started.get(key))
                 if since is not None and run.holding is not None:  # billed from its start until the Job is gone
                     await self._bill(job, run, since, policy)
+                asked = self.deleting.get(job.id)
+                if asked is not None and time.monotonic() - asked > policy.jobs.grace_seconds + DELETE_WAIT_S:
+                    # Its pod hangs in Terminating (its node lost, a finalizer): the run ends now, and is billed
+                    # no further; the Volcano Job goes when its pod does.
+                    self.log.warning("gpupool job %s: its Volcano Job is still not gone %d s after its deletion; "
+                                     "its run ends now", job.id, time.monotonic() - asked)
+                    why = Event.CANCELLED if job.cancel_requested else Event.SUSPENDED
+                    await self._end(job, run, Ended(why, None), now, policy)
+                    return
                 await self._delete(job.id)  # the pods get their grace period to save
                 return
             why = Event.CANCELLED if job.cancel_requested else Event.SUSPENDED
@@ -406,6 +423,9 @@ class KubeJobRunner:
         if over:
             ended = self.ends.get(key) or _from_phase(state.state)
             at = self.moved_on.pop(key, (0.0, now))[1]  # when Volcano was seen to have moved on
+            finished = parse_time(self.finished.get(key))
+            if finished is not None:  # the container's own end, where it had one (a hub that was down saw it late)
+                at = max(run.started_at, min(at, finished))
             if since is not None and run.holding is not None:  # billed from its start, however short it ran
                 await self._bill(job, run, since, policy, again=True)
             following = await self._end(job, run, ended, at, policy)
@@ -449,6 +469,7 @@ class KubeJobRunner:
         for key in [k for k in {*self.ends, *self.started} if k[0] == job.id and k[2] <= (run.cluster_retry or 0)]:
             self.ends.pop(key, None)
             self.started.pop(key, None)
+            self.finished.pop(key, None)
         self.log.info("gpupool job %s: run %d ended (%s, exit %s): %s", job.id, run.attempt, ended.event.value,
                       ended.exit_code, following.reason if following is not None else "already ended")
         return following
@@ -464,7 +485,7 @@ class KubeJobRunner:
         except ApiException as error:
             if error.status != 404:
                 raise
-        self.deleting.add(job_id)
+        self.deleting[job_id] = time.monotonic()
         self.log.info("gpupool job %s: Volcano Job %s deleted", job_id, job_name(job_id))
 
 

@@ -94,13 +94,24 @@ def _scheduler_config() -> dict:
             "profiles": [{"schedulerName": "default-scheduler"}, {"schedulerName": VOLCANO_STANDIN}]}
 
 
+#: A pod with this label is one whose node's kubelet is gone: KWOK does not finish its deletion (it stays
+#: Terminating, as on a lost node, until the label goes).
+KUBELET_LOST = "gpupool.test/kubelet-lost"
+
+
 def _kwok_stages(stages: Path) -> list[dict]:
-    """KWOK's own stages from its module: nodes become Ready, pods Running, Job pods complete, pods deleted;
-    and the chaos stage that fails a running container with the exit code of the pod's annotation."""
+    """KWOK's own stages from its module: nodes become Ready, pods Running, Job pods complete, pods deleted
+    (except those labelled `KUBELET_LOST`); and the chaos stage that fails a running container with the exit
+    code of the pod's annotation."""
     files = ["node/fast/node-initialize.yaml", "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
              "pod/fast/pod-ready.yaml", "pod/fast/pod-complete.yaml", "pod/fast/pod-delete.yaml",
              "pod/chaos/pod-container-running-failed.yaml"]
-    return [yaml.safe_load((stages / name).read_text()) for name in files]
+    loaded = [yaml.safe_load((stages / name).read_text()) for name in files]
+    for stage in loaded:
+        if stage["metadata"]["name"] == "pod-delete":
+            stage["spec"]["selector"]["matchExpressions"].append(
+                {"key": f'.metadata.labels["{KUBELET_LOST}"]', "operator": "DoesNotExist"})
+    return loaded
 
 
 #: What one card of a model offers of each resource a profile may ask for (the device plugins' units): HAMi

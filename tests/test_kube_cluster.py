@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta
 from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
@@ -40,7 +40,7 @@ from gpupool.hub.accounting.jobs import Job, JobStore, JobSubmission, resolve
 from gpupool.hub.accounting.ledger import HowEnded, State
 from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR, load_policy
 from gpupool.spawner.jobs import EVICTION_HEADROOM, JOB_ID_LABEL, JobSpec, job_name, running_since, volcano_job
-from gpupool.spawner.kubejobs import KubeJobRunner
+from gpupool.spawner.kubejobs import KubeJobRunner, parse_time
 from gpupool.spawner.kube import GPUKubeSpawner
 from gpupool.spawner.usage import get_ledger
 from gpupool.spawner.volcano import Release
@@ -669,9 +669,15 @@ async def test_a_preempted_job_resumes_without_a_retry_counted_succeeds_and_a_ca
         run1 = jobs.store.runs(job.id)[0]
         assert (run1.event, run1.counted) == ("preempted", False) and now.restarts == 0  # max_restarts 0 still
 
-        succeed_as_a_kubelet_would(cluster, pod)
+        # Its container ends a while before the hub sees it (as after the hub's downtime): the run ends when the
+        # container did, not when the hub noticed.
+        run2 = jobs.store.runs(job.id)[1]
+        finished = max(run2.started_at, parse_time(pod["status"]["startTime"])) + timedelta(seconds=1)
+        await until("2 s after that", lambda: periods.utcnow() >= finished + timedelta(seconds=2))
+        succeed_as_a_kubelet_would(cluster, pod, finished)
         ended = await until("the job succeeded", lambda: (j := jobs.store.get(job.id)).state == "succeeded" and j)
         assert ended.exit_code == 0 and ended.restarts == 0
+        assert jobs.store.runs(job.id)[1].ended_at == finished == billed_runs(ledger, job.id)[1].end
         assert [i.how for i in billed_runs(ledger, job.id)] == [HowEnded.PREEMPTED, HowEnded.STOPPED]
 
         cancelled = submit(jobs, user="bob")
@@ -686,13 +692,13 @@ async def test_a_preempted_job_resumes_without_a_retry_counted_succeeds_and_a_ca
         await runner.stop()
 
 
-def succeed_as_a_kubelet_would(cluster, pod: dict) -> None:
-    """The container exits 0, as a kubelet reports it."""
+def succeed_as_a_kubelet_would(cluster, pod: dict, finished: datetime | None = None) -> None:
+    """The container exits 0 (at `finished`, default now), as a kubelet reports it."""
     done = {"status": {"phase": "Succeeded", "containerStatuses": [
         {"name": "train", "ready": False, "restartCount": 0, "image": pod["spec"]["containers"][0]["image"],
-         "imageID": "", "state": {"terminated": {"exitCode": 0, "reason": "Completed",
-                                                 "startedAt": pod["status"]["startTime"],
-                                                 "finishedAt": periods.utcnow().strftime("%Y-%m-%dT%H:%M:%SZ")}}}]}}
+         "imageID": "", "state": {"terminated": {
+             "exitCode": 0, "reason": "Completed", "startedAt": pod["status"]["startTime"],
+             "finishedAt": (finished or periods.utcnow()).strftime("%Y-%m-%dT%H:%M:%SZ")}}}]}}
     cluster.kubectl("patch", "pod", "-n", NAMESPACE, pod["metadata"]["name"], "--subresource", "status",
                     "--type", "merge", "-p", json.dumps(done))
 
@@ -724,6 +730,42 @@ async def test_a_suspended_job_resumes_in_a_new_volcano_job_whose_pods_are_not_t
         assert [i.how for i in billed_runs(ledger, job.id)] == [HowEnded.FAILED, HowEnded.STOPPED, HowEnded.STOPPED]
         await until("the finished Volcano Job deleted", lambda: volcano_job_of(cluster, job.id) is None)
     finally:
+        await runner.stop()
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_job_whose_pod_hangs_in_terminating_ends_after_the_grace_period_and_a_wait(
+        cluster, kubeconfig, job_cluster, ledger, monkeypatch):
+    """A pod on a lost node stays Terminating until the node is back (here KWOK, its kubelet, leaves the pod
+    alone): the cancelled run ends, and its billing with it, once the grace period and `DELETE_WAIT_S` have
+    passed."""
+    from gpupool.spawner import kubejobs
+
+    jobs = job_cluster
+    jobs.policy = jobs.policy.model_copy(update={"jobs": jobs.policy.jobs.model_copy(update={"grace_seconds": 1})})
+    monkeypatch.setattr(kubejobs, "DELETE_WAIT_S", 2.0)
+    job = submit(jobs)
+    runner = runner_for(jobs)
+    await runner.start()
+    pod = None
+    try:
+        pod = await until("its pod Running", lambda: running_pod(cluster, job.id, 0))
+        cluster.kubectl("label", "pod", "-n", NAMESPACE, pod["metadata"]["name"], f"{kc.KUBELET_LOST}=true")
+        await until("billed", lambda: [i for i in billed_runs(ledger, job.id) if i.state == State.RUNNING])
+        jobs.store.cancel(job.id, periods.utcnow())
+        await until("its pod Terminating", lambda: cluster.get(
+            f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}")["metadata"].get("deletionTimestamp"))
+        ended = await until("cancelled", lambda: (j := jobs.store.get(job.id)).state == "cancelled" and j)
+        assert ended.reason == "cancelled"
+        assert job_pod(cluster, job.id) is None and cluster.get(  # still there, Terminating
+            f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}")["metadata"]["deletionTimestamp"]
+        (interval,) = billed_runs(ledger, job.id)
+        assert interval.end is not None and interval.how == HowEnded.STOPPED
+    finally:
+        if pod is not None:  # the node is back: the pod goes, and its Volcano Job with it
+            cluster.kubectl("label", "pod", "-n", NAMESPACE, pod["metadata"]["name"], f"{kc.KUBELET_LOST}-",
+                            check=False)
+        await until("the Volcano Job gone", lambda: volcano_job_of(cluster, job.id) is None)
         await runner.stop()
 
 
