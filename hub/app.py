@@ -82,7 +82,7 @@ class GPUPoolHub(JupyterHub):
 
         from gpupool.hub.accounting.jobs import JobStore
         from gpupool.spawner.kubejobs import KubeJobRunner
-        from gpupool.spawner.volcano import Release
+        from gpupool.spawner.volcano import RELEASE_ENV, Release
 
         # A spawner of the hub's configuration (for no one: KubeSpawner expands its names from a user's name and
         # id) loads the Kubernetes client configuration and holds the namespace, image and ledger settings.
@@ -94,7 +94,7 @@ class GPUPoolHub(JupyterHub):
         ledger = settings.ledger
         runner = KubeJobRunner(JobStore(ledger.engine), ledger, lambda: settings.policy,
                                shared_client("CustomObjectsApi"), shared_client("CoreV1Api"), settings.namespace,
-                               Release(os.environ.get("GPUPOOL_RELEASE", "gpupool"), settings.namespace),
+                               Release(os.environ.get(RELEASE_ENV, Release.name), settings.namespace),
                                settings.image, self.log, storage_of=self._job_storage)
         await runner.start()
         self.job_runner = runner

@@ -194,9 +194,8 @@ class KubeJobRunner:
 
     async def _look(self, job_id: str) -> None:
         """Read the job's pods now (what the watch will tell, told sooner)."""
-        reply = await self.core.list_namespaced_pod(
-            self.namespace, label_selector=f"{JOB_ID_LABEL}={job_id},{INSTANCE_LABEL}={self.release.name}",
-            _preload_content=False)
+        reply = await self.core.list_namespaced_pod(self.namespace, label_selector=self.selector_of(job_id),
+                                                    _preload_content=False)
         for pod in json.loads(await reply.read()).get("items") or []:
             self.see_pod(pod)
 
@@ -222,7 +221,11 @@ class KubeJobRunner:
     @property
     def selector(self) -> str:
         """This release's jobs (and their pods): another release in the namespace has its own."""
-        return f"{JOB_ID_LABEL},{INSTANCE_LABEL}={self.release.name}"
+        return self.selector_of(None)
+
+    def selector_of(self, job_id: str | None) -> str:
+        """This release's Volcano Jobs and pods of one job (`job_id`), or of all jobs (None)."""
+        return f"{JOB_ID_LABEL}{'=' + job_id if job_id else ''},{INSTANCE_LABEL}={self.release.name}"
 
     async def volcano_jobs(self) -> dict[str, dict]:
         """This release's Volcano Jobs in the namespace, by job id (a label selector, as the API server serves it)."""

@@ -113,6 +113,8 @@ class Release:
 
 #: The environment variable naming the usage ledger, in the hub and in the accounting service.
 LEDGER_URL_ENV = "GPUPOOL_LEDGER_URL"
+#: The Helm release the hub runs in (the chart sets it): the training jobs' Volcano Jobs carry its labels.
+RELEASE_ENV = "GPUPOOL_RELEASE"
 
 
 def team_queue(team: str) -> str:
@@ -388,7 +390,7 @@ def jupyterhub_values(policy: Policy, release: Release, culler: bool = True) -> 
             "extraEnv": {
                 "GPUPOOL_POLICIES": POLICY_DIR,
                 # The training jobs' Volcano Jobs carry the release's labels (`gpupool.spawner.kubejobs`).
-                "GPUPOOL_RELEASE": release.name,
+                RELEASE_ENV: release.name,
                 LEDGER_URL_ENV: {"valueFrom": {"configMapKeyRef": {"name": release.hub_env_configmap,
                                                                     "key": LEDGER_URL_ENV}}},
             },
