@@ -132,13 +132,6 @@ class KubeJobRunner:
                 continue
             self.log.warning("gpupool job %s: closed its ledger interval %s, left open by a crash", job_id, holding)
 
-    async def settle(self, job_id: str) -> None:
-        """Wait (at most `STOP_WAIT_S`) until the logs of the job's pods that ended are kept to their end."""
-        ending = [task for uid, (job, task) in self.tasks.items()
-                  if job == job_id and uid in self.over and not task.done()]
-        if ending:
-            await asyncio.wait(ending, timeout=STOP_WAIT_S)
-
     async def stop(self) -> None:
         """The hub goes down: stop watching (the Volcano Jobs go on; the next hub follows them)."""
         await _cancel(self._tasks)
@@ -524,19 +517,18 @@ class PodLogs:
                 del self.tasks[uid]
                 self.over.pop(uid, None)
 
-    async def settle(self, job_id: str) -> None:
-        """Wait (at most `STOP_WAIT_S`) until the logs of the job's pods that ended are kept to their end."""
+    async def settle(self, job_id: str | None = None) -> None:
+        """Wait (at most `STOP_WAIT_S`) until the logs of the pods that ended (of one job, or all) are kept to
+        their end."""
         ending = [task for uid, (job, task) in self.tasks.items()
-                  if job == job_id and uid in self.over and not task.done()]
+                  if job_id in (None, job) and uid in self.over and not task.done()]
         if ending:
             await asyncio.wait(ending, timeout=STOP_WAIT_S)
 
     async def stop(self) -> None:
         """The hub goes down: the logs of pods that ended get a moment to be kept to their end; the others are
         read again by the next hub."""
-        ending = [task for uid, (_, task) in self.tasks.items() if uid in self.over and not task.done()]
-        if ending:
-            await asyncio.wait(ending, timeout=STOP_WAIT_S)
+        await self.settle()
         await _cancel([task for _, task in self.tasks.values()])
 
     async def _keep(self, job_id: str, pod: Mapping[str, Any], uid: str, earlier: list[asyncio.Task]) -> None:
