@@ -317,15 +317,18 @@ class KubeCluster:
         reply.raise_for_status()
         return reply.json()
 
-    def container_log(self, pod: dict, container: str, lines: list[str]) -> Path:
+    def container_log(self, pod: dict, container: str, lines: list[str], rotate: bool = False) -> Path:
         """Write what a pod's container printed, as a container runtime writes it (the CRI log format the kubelet
         serves; one file per pod, by uid: a pod of the same name made again starts a new log), and tell KWOK's
         kubelet server to serve that file as the container's log (its `Logs` object, named as the pod):
-        `GET …/pods/NAME/log` through the API server then reads it, `follow` included. Called again, it appends."""
+        `GET …/pods/NAME/log` through the API server then reads it, `follow` included. Called again, it appends;
+        with `rotate`, the file is first moved aside and a new one begun, as the kubelet rotates a log."""
         meta = pod["metadata"]
         path = self.base / "container-logs" / meta["namespace"] / f"{meta['name']}_{meta['uid']}_{container}.log"
         path.parent.mkdir(parents=True, exist_ok=True)
         new = not path.exists()
+        if rotate:
+            path.rename(path.with_suffix(".log.1"))
         with open(path, "a") as log:
             for line in lines:
                 stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{time.time_ns() % 10**9:09d}Z"

@@ -734,6 +734,39 @@ async def test_a_suspended_job_resumes_in_a_new_volcano_job_whose_pods_are_not_t
 
 
 @pytest.mark.asyncio
+async def test_a_pods_log_rotated_while_no_hub_read_it_is_read_on_from_where_it_was_kept(
+        cluster, kubeconfig, job_cluster, ledger):
+    """The kubelet rotated the container's log while the hub was down: the next hub sees the file is shorter than
+    what it kept, says so in the job's log, and keeps the new file's lines from shortly before its last piece
+    (not from the old byte count, which would skip them)."""
+    jobs = job_cluster
+    job = submit(jobs)
+    runner = runner_for(jobs)
+    await runner.start()
+    try:
+        pod = await until("its pod Running", lambda: running_pod(cluster, job.id, 0))
+        cluster.container_log(pod, "train", ["step 1 loss 0.9", "step 2 loss 0.8", "step 3 loss 0.7"])
+        await until("its output kept", lambda: "step 3 loss 0.7" in job_log_text(jobs, job.id))
+        await runner.stop()
+        cluster.container_log(pod, "train", ["step 4 loss 0.6"], rotate=True)
+        runner = runner_for(jobs)
+        await runner.start()
+        await until("the rotated file's line kept", lambda: "step 4 loss 0.6" in job_log_text(jobs, job.id))
+        assert re.fullmatch(
+            re.escape(f"{pod_header(pod)}step 1 loss 0.9\nstep 2 loss 0.8\nstep 3 loss 0.7\n"
+                      f"--- gpupool: the kubelet rotated the log of pod {pod['metadata']['name']}; what follows "
+                      "starts at ") + r"\d\d:\d\d:\d\d" + re.escape(" UTC and may repeat a few lines ---\n"
+                                                                "step 4 loss 0.6\n"),
+            job_log_text(jobs, job.id))
+        cluster.container_log(pod, "train", ["step 5 loss 0.5"])  # and followed on from there
+        await until("the next line kept", lambda: job_log_text(jobs, job.id).endswith("step 4 loss 0.6\nstep 5 loss 0.5\n"))
+        jobs.store.cancel(job.id, periods.utcnow())
+        await until("cancelled", lambda: jobs.store.get(job.id).state == "cancelled")
+    finally:
+        await runner.stop()
+
+
+@pytest.mark.asyncio
 async def test_a_cancelled_job_whose_pod_hangs_in_terminating_ends_after_the_grace_period_and_a_wait(
         cluster, kubeconfig, job_cluster, ledger, monkeypatch):
     """A pod on a lost node stays Terminating until the node is back (here KWOK, its kubelet, leaves the pod

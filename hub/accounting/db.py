@@ -257,13 +257,16 @@ class JobLog(Base):
 
     id: Mapped[int] = mapped_column(sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True)
     job_id: Mapped[str] = mapped_column(sa.String(32), sa.ForeignKey("accounting_jobs.id", ondelete="CASCADE"))
-    #: Where it came from: a pod's uid (so a restarted hub knows how much of that pod's log it has), or
-    #: `gpupool:` and the pod's uid for the line gpupool writes before a pod's output.
+    #: Where it came from: a pod's uid (so a restarted hub knows how much of that pod's log it has; `UID@SECONDS`
+    #: once the kubelet rotated the log: counted from that time on), or `gpupool:`/`gpupool-end:` and the pod's
+    #: uid for the lines gpupool writes before and after a pod's output.
     source: Mapped[str] = mapped_column(sa.String(80))
     #: Its first byte's offset in the job's log, and its bytes.
     start: Mapped[int] = mapped_column(sa.BigInteger)
     data: Mapped[bytes] = mapped_column(sa.LargeBinary)
     size: Mapped[int] = mapped_column(sa.Integer)
+    #: When it was kept.
+    at: Mapped[datetime] = mapped_column(UTCSeconds)
 
     __table_args__ = (
         sa.UniqueConstraint("job_id", "start"),

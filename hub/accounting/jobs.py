@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -263,6 +263,14 @@ def _run(row: Any) -> Run:
     return Run(**values)
 
 
+class LogProgress(NamedTuple):
+    """How far a pod's output is kept (`JobStore.log_progress`)."""
+
+    source: str
+    size: int
+    at: datetime
+
+
 class JobStore:
     """The jobs table of the ledger's database (`engine`: the ledger's, migrated)."""
 
@@ -476,12 +484,24 @@ class JobStore:
     # --- the Kubernetes mode's logs (`db.JobLog`) ---------------------------------------------------------
 
     def log_kept(self, job_id: str, source: str) -> int:
-        """Bytes of `source` (a pod's uid) kept in the job's log so far."""
+        """Bytes of `source` kept in the job's log so far."""
         with self.engine.connect() as connection:
             return connection.execute(sa.select(sa.func.coalesce(sa.func.sum(LOGS.c.size), 0)).where(
                 LOGS.c.job_id == job_id, LOGS.c.source == source)).scalar_one()
 
-    def keep_log(self, job_id: str, source: str, data: bytes) -> None:
+    def log_progress(self, job_id: str, pod_uid: str) -> LogProgress | None:
+        """How far a pod's output is kept: the source of its latest pieces (its uid, or `UID@SECONDS` after a
+        rotation of its log), their bytes and when the last was kept; None before any."""
+        with self.engine.connect() as connection:
+            latest = connection.execute(
+                sa.select(LOGS.c.source, LOGS.c.at).where(
+                    LOGS.c.job_id == job_id, sa.or_(LOGS.c.source == pod_uid, LOGS.c.source.startswith(pod_uid + "@")))
+                .order_by(LOGS.c.start.desc()).limit(1)).first()
+        if latest is None:
+            return None
+        return LogProgress(latest.source, self.log_kept(job_id, latest.source), latest.at)
+
+    def keep_log(self, job_id: str, source: str, data: bytes, at: datetime) -> None:
         """Append `data` to the job's log, in one transaction (the write lock on SQLite orders the appends; on
         PostgreSQL the (job, start) key refuses a second writer's piece at the same offset, which goes again)."""
         if not data:
@@ -489,35 +509,40 @@ class JobStore:
         while True:
             try:
                 with self._writer.begin() as connection:
-                    end = connection.execute(sa.select(sa.func.coalesce(sa.func.max(LOGS.c.start + LOGS.c.size), 0))
-                                             .where(LOGS.c.job_id == job_id)).scalar_one()
-                    connection.execute(LOGS.insert().values(job_id=job_id, source=source, start=end, data=data,
-                                                            size=len(data)))
+                    connection.execute(LOGS.insert().values(job_id=job_id, source=source, start=self._log_end(
+                        connection, job_id), data=data, size=len(data), at=at))
                 return
             except sa.exc.IntegrityError:
                 if self.get(job_id) is None:
                     return  # the job is gone: nothing to keep
                 continue  # another piece took that offset first
 
+    @staticmethod
+    def _log_end(connection: sa.Connection, job_id: str) -> int:
+        """The job's log's size: its last piece's end (one row through the (job, start) index)."""
+        last = connection.execute(sa.select(LOGS.c.start, LOGS.c.size).where(LOGS.c.job_id == job_id)
+                                  .order_by(LOGS.c.start.desc()).limit(1)).first()
+        return last.start + last.size if last is not None else 0
+
     def read_log(self, job_id: str, offset: int, limit: int) -> bytes:
         """At most `limit` bytes of the job's log from byte `offset` (b"" past its end)."""
         with self.engine.connect() as connection:
+            first = connection.execute(sa.select(sa.func.max(LOGS.c.start)).where(
+                LOGS.c.job_id == job_id, LOGS.c.start <= offset)).scalar_one() or 0
             rows = connection.execute(
-                sa.select(LOGS.c.start, LOGS.c.data).where(LOGS.c.job_id == job_id,
-                                                           LOGS.c.start + LOGS.c.size > offset,
+                sa.select(LOGS.c.start, LOGS.c.data).where(LOGS.c.job_id == job_id, LOGS.c.start >= first,
                                                            LOGS.c.start < offset + limit)
                 .order_by(LOGS.c.start)).all()
-        data = b"".join(row.data for row in rows)
         if not rows:
             return b""
+        data = b"".join(row.data for row in rows)
         skip = offset - rows[0].start
-        return data[skip:skip + limit]
+        return data[max(0, skip):max(0, skip) + limit]
 
     def log_tail(self, job_id: str, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
         """The last `lines` lines of the job's log (of at most its last `max_bytes`)."""
         with self.engine.connect() as connection:
-            end = connection.execute(sa.select(sa.func.coalesce(sa.func.max(LOGS.c.start + LOGS.c.size), 0))
-                                     .where(LOGS.c.job_id == job_id)).scalar_one()
+            end = self._log_end(connection, job_id)
         start = max(0, end - max_bytes)
         return tail_text(self.read_log(job_id, start, max_bytes), lines, cut=start > 0)
 

@@ -267,11 +267,11 @@ def test_the_run_events_are_the_restart_rules_events():
 
 def test_a_jobs_log_is_its_pieces_in_order_read_from_any_offset_and_counted_per_source(store, jobs_policy):
     job, other = submit(store, jobs_policy), submit(store, jobs_policy, user="bob")
-    store.keep_log(job.id, "pod-a", b"step 1\nstep")
-    store.keep_log(other.id, "pod-x", b"bob's\n")
-    store.keep_log(job.id, "pod-a", b" 2\n")
-    store.keep_log(job.id, "pod-b", b"resumed\n")
-    store.keep_log(job.id, "pod-b", b"")  # nothing to keep: no piece
+    store.keep_log(job.id, "pod-a", b"step 1\nstep", T0)
+    store.keep_log(other.id, "pod-x", b"bob's\n", T0)
+    store.keep_log(job.id, "pod-a", b" 2\n", T0 + timedelta(seconds=1))
+    store.keep_log(job.id, "pod-b", b"resumed\n", T0 + timedelta(seconds=2))
+    store.keep_log(job.id, "pod-b", b"", T0)  # nothing to keep: no piece
     whole = b"step 1\nstep 2\nresumed\n"
     assert store.read_log(job.id, 0, 1 << 20) == whole
     assert all(store.read_log(job.id, start, size) == whole[start:start + size]
@@ -281,6 +281,11 @@ def test_a_jobs_log_is_its_pieces_in_order_read_from_any_offset_and_counted_per_
     assert store.log_tail(job.id, lines=2) == "step 2\nresumed"
     assert store.log_tail(job.id, lines=5, max_bytes=10) == "resumed"  # the cut first line is left out
     assert store.read_log(other.id, 0, 100) == b"bob's\n" and store.log_tail("nosuchjob") == ""
+    # How far each pod's output is kept: the latest source of that pod (after a rotation, `UID@SECONDS`).
+    assert store.log_progress(job.id, "pod-a") == ("pod-a", 14, T0 + timedelta(seconds=1))
+    store.keep_log(job.id, "pod-a@1796374800", b"after the rotation\n", T0 + timedelta(seconds=9))
+    assert store.log_progress(job.id, "pod-a") == ("pod-a@1796374800", 19, T0 + timedelta(seconds=9))
+    assert store.log_progress(job.id, "pod-c") is None and store.log_progress(job.id, "pod") is None
 
 
 def test_concurrent_writers_of_one_jobs_log_lose_no_piece(store, jobs_policy):
@@ -290,7 +295,7 @@ def test_concurrent_writers_of_one_jobs_log_lose_no_piece(store, jobs_policy):
     def write(source: str):
         barrier.wait()
         for n in range(10):
-            store.keep_log(job.id, source, f"{source} {n}\n".encode())
+            store.keep_log(job.id, source, f"{source} {n}\n".encode(), T0)
 
     threads = [threading.Thread(target=write, args=(f"pod-{i}",)) for i in range(6)]
     for thread in threads:

@@ -26,6 +26,7 @@ def upgrade() -> None:
         sa.Column("start", sa.BigInteger(), nullable=False),
         sa.Column("data", sa.LargeBinary(), nullable=False),
         sa.Column("size", sa.Integer(), nullable=False),
+        sa.Column("at", sa.BigInteger(), nullable=False),
         sa.CheckConstraint("start >= 0 AND size > 0", name="ck_accounting_job_logs_piece_not_empty"),
         sa.ForeignKeyConstraint(["job_id"], ["accounting_jobs.id"], ondelete="CASCADE",
                                 name="fk_accounting_job_logs_job_id_accounting_jobs"),
