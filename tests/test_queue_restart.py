@@ -39,9 +39,7 @@ def hub(tmp_path):
     hub.start()
     yield hub
     hub.kill()
-    for process in psutil.process_iter(["cmdline"]):  # no server or orphaned service outlives the test
-        if str(hub.state) in " ".join(process.info["cmdline"] or []):
-            process.kill()
+    hub.kill_leftovers()  # no server, orphaned service or proxy outlives the test
 
 
 def position(hub: Hub, user: str, expected: str) -> str:
