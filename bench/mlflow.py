@@ -4,9 +4,11 @@ One `gpupool up` (its MLflow service on SQLite) and one plain `mlflow server` on
 SQLite file and artifacts folder, the same options but the app) run side by side; each operation is timed
 against the four targets, interleaved (plain, gpupool, gpupool through the hub's proxy, and plain behind a
 configurable-http-proxy of its own, in turn) so all see the same load. The fourth shows what the proxy hop
-alone costs, whoever's server is behind it. Each target logs into its own run of one experiment of team
-vision. Prints median milliseconds per operation and the ratios to plain (target ≤ 1.2 for both), and of
-gpupool through the hub to plain behind the same proxy.
+alone costs, whoever's server is behind it. Where nginx is installed (it is not one of gpupool's programs:
+`apt-get install nginx-light`), a fifth target is gpupool's MLflow behind nginx, a proxy written in C: what the
+same service costs behind a faster proxy than JupyterHub's. Each target logs into its own run of one
+experiment of team vision. Prints median milliseconds per operation and the ratios to plain (target ≤ 1.2 for
+gpupool direct and through the hub), and of gpupool through the hub to plain behind the same proxy.
 
     .venv/bin/python bench/mlflow.py [--calls 200]
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -105,6 +108,40 @@ def plain_proxy(target_port: int, port: int, log) -> subprocess.Popen:
         start_new_session=True)
 
 
+NGINX = """
+worker_processes 1;
+daemon off;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log;
+events {{ worker_connections 256; }}
+http {{
+  access_log off;
+  client_max_body_size 0;
+  client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy; fastcgi_temp_path {tmp}/fastcgi;
+  uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
+  upstream target {{ server 127.0.0.1:{target_port}; keepalive 8; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://target; proxy_http_version 1.1; proxy_set_header Connection "";
+      proxy_request_buffering off; proxy_buffering off;  # streamed, as configurable-http-proxy does
+    }}
+  }}
+}}
+"""
+
+
+def nginx_proxy(target_port: int, port: int, tmp: Path, log) -> subprocess.Popen | None:
+    """nginx in front of gpupool's MLflow service (its keep-alive connections, as configurable-http-proxy's)."""
+    nginx = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
+    if nginx is None:
+        return None
+    tmp.mkdir()
+    (tmp / "nginx.conf").write_text(NGINX.format(tmp=tmp, target_port=target_port, port=port))
+    return subprocess.Popen([nginx, "-c", str(tmp / "nginx.conf"), "-p", str(tmp)], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def wait_for(url: str, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -123,7 +160,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         hub = Hub(Path(tmp) / "gpupool", POLICY, SELF)
-        plain = proxy = None
+        plain = proxy = nginx = None
         try:
             hub.start()
             hub.wait_service("mlflow", "health")
@@ -139,6 +176,13 @@ def main() -> None:
                        Target("gpupool", f"http://127.0.0.1:{hub.port + 4}/services/mlflow", token),
                        Target("gpupool via hub", f"{hub.url}/services/mlflow", token),
                        Target("plain via proxy", f"http://127.0.0.1:{proxy_port}", None)]
+            nginx_port = free_port_block(1)
+            nginx = nginx_proxy(hub.port + 4, nginx_port, Path(tmp) / "nginx", (Path(tmp) / "nginx.log").open("a"))
+            if nginx is None:
+                print("nginx is not installed: no gpupool-behind-nginx column (apt-get install nginx-light)")
+            else:
+                wait_for(f"http://127.0.0.1:{nginx_port}/services/mlflow/health")
+                targets.append(Target("gpupool via nginx", f"http://127.0.0.1:{nginx_port}/services/mlflow", token))
             gpupool = targets[1]
             experiment_id = gpupool.call("POST", API + "experiments/create",
                                          json={"name": "vision/bench"}).json()["experiment_id"]
@@ -158,6 +202,9 @@ def main() -> None:
                         do(t)
                         times[op, t.name].append((time.perf_counter() - start) * 1000)
         finally:
+            if nginx is not None:
+                nginx.terminate()
+                nginx.wait(60)
             if proxy is not None:
                 proxy.terminate()
                 proxy.wait(60)
@@ -166,15 +213,17 @@ def main() -> None:
                 plain.wait(60)
             hub.stop()
     names = [t.name for t in targets]
+    nginx_ratio = f"{'via nginx / plain':>19}" if len(names) > 4 else ""
     print(f"{'operation':<16}{'calls':>6}" + "".join(f"{n + ' ms':>24}" for n in names)
-          + f"{'gpupool / plain':>17}{'via hub / plain':>17}{'via hub / plain via proxy':>27}")
+          + f"{'gpupool / plain':>17}{'via hub / plain':>17}{'via hub / plain via proxy':>27}" + nginx_ratio)
     worst = 0.0
     for op in ops:
         medians = [statistics.median(times[op, n]) for n in names]
         ratios = [medians[1] / medians[0], medians[2] / medians[0]]
         worst = max(worst, *ratios)
         print(f"{op:<16}{len(times[op, names[0]]):>6}" + "".join(f"{m:>24.2f}" for m in medians)
-              + "".join(f"{r:>17.3f}" for r in ratios) + f"{medians[2] / medians[3]:>27.3f}")
+              + "".join(f"{r:>17.3f}" for r in ratios) + f"{medians[2] / medians[3]:>27.3f}"
+              + (f"{medians[4] / medians[0]:>19.3f}" if nginx_ratio else ""))
     print(f"worst ratio to a plain mlflow server: {worst:.3f} (target ≤ 1.2)")
 
 
