@@ -174,6 +174,90 @@ def test_sigterm_sets_should_stop_and_the_loop_saves_and_exits(tmp_path):
     assert not should_stop()  # this process was never asked to stop: the flag is per process
 
 
+def test_a_second_sigterm_while_the_handler_runs_neither_hangs_it_nor_loses_the_stop(tmp_path):
+    # A second SIGTERM (the group's and another sender's: a preemption seen twice, a node drain) can make Python
+    # run the handler again between two bytecodes of its first run. The trace function below does exactly that,
+    # deterministically: at every line the first run goes through (the handler's, and whatever it calls), the
+    # handler runs once more. A handler that takes a lock (threading.Event.set did) waits for itself forever:
+    # seen in CI as a preempted job that never saved and was SIGKILLed at the end of its grace period.
+    process = run_python("""
+        import signal, sys
+        from gpupool.train import checkpoints, should_stop
+        checkpoints.install_sigterm_handler()
+        handler, nested = signal.getsignal(signal.SIGTERM), []
+
+        def trace(frame, event, arg):
+            if event == "line" and len(nested) < 50:
+                nested.append(frame.f_code.co_name)
+                handler(signal.SIGTERM, None)  # not traced itself: a trace function runs untraced
+            return trace
+
+        def first(frame, event, arg):  # the handler's frame and every frame it calls are traced
+            inside = frame.f_code is handler.__code__ or frame.f_back is not None and frame.f_back.f_trace
+            return trace if event == "call" and inside else None
+
+        sys.settrace(first)
+        handler(signal.SIGTERM, None)
+        sys.settrace(None)
+        print(should_stop(), len(nested), flush=True)
+    """)
+    try:
+        out, err = process.communicate(timeout=60)  # the old handler never returned
+    finally:
+        process.kill()
+    assert process.returncode == 0, err
+    stopped, nested = out.split()
+    assert stopped == "True" and int(nested) >= 1, out
+
+
+def launched(tmp_path: Path, code: str, **kwargs) -> subprocess.Popen:
+    """`python -m gpupool.train.launch EXIT_FILE -- python -c CODE`, in a session of its own, as the runner starts
+    a run."""
+    return subprocess.Popen([sys.executable, "-m", "gpupool.train.launch", str(tmp_path / "exit-status"), "--",
+                             sys.executable, "-c", textwrap.dedent(code), str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+
+
+def test_the_launcher_does_not_pass_a_signal_on_the_command_already_heard_from_its_group(tmp_path):
+    # The runner signals the run's whole group; the launcher only outlives it. Signalled alone (what its old
+    # forwarding did to the command after every group signal), it passes nothing on: the command hears it once.
+    process = launched(tmp_path, """
+        import pathlib, signal, sys, time
+        heard = []
+        signal.signal(signal.SIGTERM, lambda *a: heard.append(time.monotonic()))
+        pathlib.Path(sys.argv[1], "ready").write_text("")
+        while not heard:
+            time.sleep(0.01)
+        time.sleep(2)  # a second SIGTERM would come within this
+        print(len(heard), flush=True)
+        sys.exit(3)
+    """)
+    wait_for_file(tmp_path / "ready", process)
+    os.kill(process.pid, signal.SIGTERM)  # the launcher alone: it stays, and the command does not hear it
+    time.sleep(1)
+    assert process.poll() is None and not (tmp_path / "exit-status").exists()
+    os.killpg(process.pid, signal.SIGTERM)  # as the runner stops a run
+    out, err = process.communicate(timeout=60)
+    assert out.split() == ["1"], (out, err)
+    assert process.returncode == 3 and (tmp_path / "exit-status").read_text() == "3\n"
+
+
+def test_the_command_hears_sigterm_even_when_the_launchers_starter_ignored_it(tmp_path):
+    # An ignored signal stays ignored across exec; a caught one does not. The launcher catches SIGTERM before it
+    # starts the command, so the command starts with the default (it ends on SIGTERM), whatever the hub had.
+    process = launched(tmp_path, """
+        import pathlib, sys, time
+        pathlib.Path(sys.argv[1], "ready").write_text("")
+        time.sleep(120)
+    """, preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
+    wait_for_file(tmp_path / "ready", process)
+    os.killpg(process.pid, signal.SIGTERM)
+    process.communicate(timeout=60)
+    assert (tmp_path / "exit-status").read_text() == f"{-signal.SIGTERM}\n"
+    assert process.returncode == 128 + signal.SIGTERM
+
+
 # --- PyTorch: resumed exactly ------------------------------------------------------------------------------
 
 def train(out: Path, *args: str) -> subprocess.Popen:

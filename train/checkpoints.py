@@ -285,7 +285,10 @@ class Checkpoints:
 
 # --- stopping on SIGTERM -----------------------------------------------------------------------------------
 
-_stop = threading.Event()
+#: Set by SIGTERM (or `request_stop`). A plain flag, not a `threading.Event`: a signal handler may run again inside
+#: itself (a second SIGTERM between two bytecodes of the first), and `Event.set` takes a lock it would then wait
+#: for forever, in the main thread: the loop never saw the flag and the save was lost to the SIGKILL.
+_stopping = False
 _installed = False
 
 
@@ -302,17 +305,19 @@ def install_sigterm_handler() -> None:
 
 
 def _on_sigterm(signum, frame) -> None:
-    _stop.set()
+    global _stopping
+    _stopping = True  # one store: safe however often, and however nested, the handler runs
 
 
 def should_stop() -> bool:
     """Whether the job was asked to stop (SIGTERM): save now and exit. Cheap: check it every step."""
-    return _stop.is_set()
+    return _stopping
 
 
 def request_stop() -> None:
-    """Ask the loop to stop, as SIGTERM does (for your own signals or a time limit)."""
-    _stop.set()
+    """Ask the loop to stop, as SIGTERM does (for your own signals or a time limit); any thread may call it."""
+    global _stopping
+    _stopping = True
 
 
 # --- resume drills ---------------------------------------------------------------------------------------
