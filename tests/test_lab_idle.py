@@ -121,10 +121,13 @@ def test_jupyterlab_warns_before_the_stop_and_keeps_the_server(hub):
         first = warnings(browser)
         assert len(first) == 1, first
         assert "Keep it 1 h" in first[0] and "UTC to give its GPU back to the pool" in first[0], first
-        # A minute later the next check has new words for the same warning ("idle for 1 min"): the notification
-        # is updated, not shown twice.
+        # The culler's words change as the idle time grows ("idle for 1 min" a minute later; later still if the
+        # server was busy while JupyterLab loaded, which starts the idle time again). JupyterLab's next check (one
+        # a minute) then updates the notification with them: updated, not shown twice.
+        wait_for(lambda: not first[0].startswith(seen_by_culler(hub, token).get("message") or first[0]),
+                 timeout=300, message=f"the culler's words never changed: {seen_by_culler(hub, token)}")
         browser.wait(lambda d: warnings(browser) and warnings(browser) != first, 100,
-                     f"the warning was never updated: {warnings(browser)}")
+                     f"the warning was never updated: {warnings(browser)}; the culler: {seen_by_culler(hub, token)}")
         assert len(warnings(browser)) == 1, warnings(browser)
         assert browser.css(".jp-Notification-Status-Text")[0].text == "1"  # one in the notification centre too
         browser.wait_page_loaded()
