@@ -577,6 +577,13 @@ def volcano_job_of(cluster, job_id: str) -> dict | None:
     return reply.json() if reply.ok else None
 
 
+async def closed_runs(ledger, job_id: str, count: int) -> list:
+    """The job's `count` ledger intervals once all are closed: the runner records a run's end in the jobs table,
+    then closes its interval (the job may read as ended a moment before its bill does)."""
+    return await until(f"{count} runs billed to their ends", lambda: (
+        runs := billed_runs(ledger, job_id)) and len(runs) == count and all(i.end is not None for i in runs) and runs)
+
+
 def billed_runs(ledger, job_id: str) -> list:
     """The job's ledger intervals, in order: one per run, none overlapping."""
     intervals = sorted((i for i in ledger.intervals_overlapping(periods.utcnow() - timedelta(days=1),
@@ -677,8 +684,9 @@ async def test_a_preempted_job_resumes_without_a_retry_counted_succeeds_and_a_ca
         succeed_as_a_kubelet_would(cluster, pod, finished)
         ended = await until("the job succeeded", lambda: (j := jobs.store.get(job.id)).state == "succeeded" and j)
         assert ended.exit_code == 0 and ended.restarts == 0
-        assert jobs.store.runs(job.id)[1].ended_at == finished == billed_runs(ledger, job.id)[1].end
-        assert [i.how for i in billed_runs(ledger, job.id)] == [HowEnded.PREEMPTED, HowEnded.STOPPED]
+        billed = await closed_runs(ledger, job.id, 2)
+        assert jobs.store.runs(job.id)[1].ended_at == finished == billed[1].end
+        assert [i.how for i in billed] == [HowEnded.PREEMPTED, HowEnded.STOPPED]
 
         cancelled = submit(jobs, user="bob")
         await until("its pod Running", lambda: running_pod(cluster, cancelled.id, 0))
@@ -727,7 +735,8 @@ async def test_a_suspended_job_resumes_in_a_new_volcano_job_whose_pods_are_not_t
         assert ended.restarts == 1  # run 1's failure; the suspend is not a retry
         assert [(r.event, r.counted) for r in jobs.store.runs(job.id)] == [
             ("failed", True), ("suspended", False), ("succeeded", False)]
-        assert [i.how for i in billed_runs(ledger, job.id)] == [HowEnded.FAILED, HowEnded.STOPPED, HowEnded.STOPPED]
+        assert [i.how for i in await closed_runs(ledger, job.id, 3)] == [
+            HowEnded.FAILED, HowEnded.STOPPED, HowEnded.STOPPED]
         await until("the finished Volcano Job deleted", lambda: volcano_job_of(cluster, job.id) is None)
     finally:
         await runner.stop()
@@ -792,8 +801,8 @@ async def test_a_cancelled_job_whose_pod_hangs_in_terminating_ends_after_the_gra
         assert ended.reason == "cancelled"
         assert job_pod(cluster, job.id) is None and cluster.get(  # still there, Terminating
             f"/api/v1/namespaces/{NAMESPACE}/pods/{pod['metadata']['name']}")["metadata"]["deletionTimestamp"]
-        (interval,) = billed_runs(ledger, job.id)
-        assert interval.end is not None and interval.how == HowEnded.STOPPED
+        (interval,) = await closed_runs(ledger, job.id, 1)
+        assert interval.how == HowEnded.STOPPED
     finally:
         if pod is not None:  # the node is back: the pod goes, and its Volcano Job with it
             cluster.kubectl("label", "pod", "-n", NAMESPACE, pod["metadata"]["name"], f"{kc.KUBELET_LOST}-",
@@ -911,7 +920,8 @@ def test_a_job_submitted_with_the_cli_runs_as_a_volcano_job_restarts_outlives_a_
             wait("the Volcano Job deleted", lambda: volcano_job_of(cluster, job_id) is None)
             wait("its pod deleted", lambda: job_pod(cluster, job_id) is None)
             ledger = get_ledger(hub.ledger_url)
-            runs = billed_runs(ledger, job_id)
+            runs = wait("both runs billed to their ends", lambda: (
+                r := billed_runs(ledger, job_id)) and len(r) == 2 and all(i.end is not None for i in r) and r)
             assert [i.how for i in runs] == [HowEnded.FAILED, HowEnded.STOPPED]
         finally:
             hub.stop()
