@@ -133,7 +133,7 @@ http {{
 
 def nginx_proxy(target_port: int, port: int, tmp: Path, log) -> subprocess.Popen | None:
     """nginx in front of gpupool's MLflow service (its keep-alive connections, as configurable-http-proxy's)."""
-    nginx = shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
+    nginx = shutil.which("nginx", path=f"{os.environ.get('PATH', os.defpath)}{os.pathsep}/usr/sbin")
     if nginx is None:
         return None
     tmp.mkdir()

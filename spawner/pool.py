@@ -557,7 +557,13 @@ class LocalPool:
 
         try:
             self.schedule()
-            return await asyncio.wait_for(asyncio.shield(ticket.future), timeout)
+            allocation = await asyncio.wait_for(asyncio.shield(ticket.future), timeout)
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                # Cancelled in the instant it was placed: Python 3.11's `wait_for` then returns the result and
+                # drops the cancel. Its user stopped it (the server would start anyway): the share goes back.
+                raise asyncio.CancelledError
+            return allocation
         except TimeoutError:
             if placed():  # placed in the same instant the timeout fired
                 return ticket.future.result()

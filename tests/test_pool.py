@@ -487,6 +487,31 @@ def test_a_pass_runs_off_the_event_loop_and_gives_back_a_placement_whose_request
     run(scenario())
 
 
+def test_a_request_cancelled_as_it_is_placed_is_cancelled_and_gives_its_share_back(store):
+    """Python 3.11's `asyncio.wait_for` returns what it waited for when a cancel comes in the same instant, and
+    drops the cancel: the spawn its user stopped would start anyway (and JupyterHub's stop answer a 500)."""
+    given_back: list[Request] = []
+
+    async def scenario():
+        pool = LocalPool(H200, store, hold=lambda req: Verdict("admit", code=Reason.WITHIN_QUOTA),
+                         unhold=given_back.append)
+        holders = [await pool.acquire(replace(request(n, Fraction(1)), holding=f"user{n}/@1")) for n in range(2)]
+        # With a queue timeout, as a hub's spawn waits (without one `wait_for` awaits directly and keeps the cancel).
+        task = asyncio.create_task(pool.acquire(replace(request(5), holding="user5/@1"), timeout=3600))
+        await settle(pool)
+        # Cancelled by the first callback after its placement, before the acquire runs again.
+        pool.ticket("user5/").future.add_done_callback(lambda _: task.cancel())
+        pool.release(holders[0].key)
+        (outcome,) = await asyncio.gather(task, return_exceptions=True)
+        assert isinstance(outcome, asyncio.CancelledError), outcome
+        await pool.settled()
+        assert [a.key for a in store.all()] == ["user1/"]
+        assert [r.holding for r in given_back] == ["user5/@1"]
+        assert not pool.waiting and store.queued() == []
+
+    run(scenario())
+
+
 def test_a_request_through_the_door_needs_its_holding_key(store):
     async def scenario():
         pool = LocalPool(H200, store, hold=lambda req: Verdict("admit", code=Reason.WITHIN_QUOTA))
