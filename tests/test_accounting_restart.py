@@ -20,6 +20,7 @@ import sqlalchemy as sa
 
 from gpupool.hub.accounting.ledger import INTERVALS, Ledger, _interval
 from gpupool.hub.harness import Hub
+from gpupool.spawner.pool import process_alive
 
 POLICY = {
     "policy.yaml": """
@@ -112,6 +113,7 @@ def test_hub_and_service_killed_mid_usage(hub):
     hub.add_user("alice", "vision")
     assert hub.api("POST", "/users/alice/server", json={"profile": "h200-quarter"}).status_code in (201, 202)
     hub.wait_ready("alice")
+    ready = datetime.now(UTC)  # the run is billed by then (from its start)
     process = server_process(hub, "alice")
     began = datetime.fromtimestamp(process.create_time(), UTC)
     run = wait_for(lambda: runs_of(hub.ledger_url, "alice"), what="the spawner's interval")[0].run
@@ -125,7 +127,7 @@ def test_hub_and_service_killed_mid_usage(hub):
     # Then the hub crashes: its services end with it, and nobody writes the ledger until it is back.
     service = accounting_service(hub)
     hub.kill()
-    wait_for(lambda: not service.is_running() or service.status() == psutil.STATUS_ZOMBIE, 60,
+    wait_for(lambda: not process_alive(service.pid, service.create_time()), 60,
              "the service ending with its hub")
     time.sleep(2)
     assert process.is_running(), "the server runs on while the hub is down"
@@ -133,6 +135,7 @@ def test_hub_and_service_killed_mid_usage(hub):
     hub.wait_ready("alice")
     wait_for(lambda: runs_of(hub.ledger_url, "alice")[-1].is_open, 30, "the run continued")
     time.sleep(3)
+    asked_to_stop = datetime.now(UTC)  # still billed then (until the stop)
     hub.stop_server("alice")
     wait_for(lambda: not process.is_running(), 30, "the server process ending")
     ended = datetime.now(UTC)
@@ -143,8 +146,12 @@ def test_hub_and_service_killed_mid_usage(hub):
     # outage is one piece closed while unseen and continued, or no piece at all.
     assert {p.how for p in pieces[:-1]} <= {"reconciled"} and pieces[-1].how == "stopped", [p.how for p in pieces]
     counted = assert_contiguous_and_once(pieces)
+    # Nothing lost (the outage included) and nothing twice: at least from ready to the stop, at most the
+    # process's life; bounds that hold however slow the hub and the ledger's writes are on a loaded machine.
     ran = (ended - began).total_seconds()
-    assert abs(counted - ran) <= GRANULARITY_S, f"ledger {counted} s, the server ran {ran:.1f} s"
+    at_least = (asked_to_stop - ready).total_seconds()
+    assert at_least - GRANULARITY_S <= counted <= ran + GRANULARITY_S, (
+        f"ledger {counted} s; billed for sure {at_least:.1f} s, the server ran {ran:.1f} s")
     bill = Ledger(hub.ledger_url, migrate=False).gpu_hours(pieces[0].start.strftime("%Y-%m"), ("user",))
     assert bill[("alice",)] == Fraction(1, 4) * Fraction(counted, 3600)
 

@@ -122,6 +122,18 @@ def job_intervals(hub: Hub, job_id: str) -> list:
         ledger.dispose()
 
 
+def closed_intervals(hub: Hub, job_id: str, count: int, timeout: float = 60) -> list:
+    """The job's `count` ledger intervals once all are closed: the runner records a run's end in the jobs table,
+    then closes its interval (the job may read as ended a moment before its bill does)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        intervals = job_intervals(hub, job_id)
+        if len(intervals) == count and all(i.end_at is not None for i in intervals):
+            return intervals
+        assert time.monotonic() < deadline, f"job {job_id}: not {count} closed intervals in {timeout} s: {intervals}"
+        time.sleep(0.2)
+
+
 def wait_for(path: Path, jobs: Jobs, job_id: str, timeout: float = 180) -> str:
     """The text of `path` once the job's run wrote it (the job's state and log when it never does)."""
     deadline = time.monotonic() + timeout
@@ -180,7 +192,7 @@ def test_a_job_sigkilled_mid_run_restarts_by_itself_and_resumes_to_the_same_weig
     assert (checkpoints.stat().st_mode & 0o777, checkpoints.parent.stat().st_mode & 0o777) == (0o700, 0o700)
 
     # Each run is one ledger interval of kind `job`, billed, one after the other.
-    intervals = job_intervals(hub, job_id)
+    intervals = closed_intervals(hub, job_id, 2)
     assert [(i.kind, i.state, i.how) for i in intervals] == [("job", "running", "failed"), ("job", "running", "stopped")]
     assert intervals[0].end_at <= intervals[1].start_at
     assert float(job["gpu_hours"]) > 0 and job["cost"] != ""
@@ -223,7 +235,7 @@ def test_a_notebook_preempts_a_low_priority_job_which_saves_requeues_and_resumes
     again = torch.load(out / "final.pt")
     assert all(torch.equal(whole[name], again[name]) for name in whole)
     # The card was never held twice: job run 1, then the notebook, then job run 2.
-    runs = job_intervals(hub, job["id"])
+    runs = closed_intervals(hub, job["id"], 2)
     assert [(i.how, i.state) for i in runs] == [("preempted", "running"), ("stopped", "running")]
     ledger = Ledger(hub.ledger_url, migrate=False)
     with ledger.engine.connect() as connection:
@@ -263,7 +275,7 @@ def test_a_suspended_job_saves_waits_and_resumes_where_it_stopped_without_a_rest
     assert steps_of(out) == list(range(1, steps + 1))  # saved at the step it was stopped: nothing redone
     final = torch.load(out / "final.pt")
     assert all(torch.equal(whole[name], final[name]) for name in whole)
-    assert [(i.how, i.state) for i in job_intervals(hub, job["id"])] == [("stopped", "running"), ("stopped", "running")]
+    assert [(i.how, i.state) for i in closed_intervals(hub, job["id"], 2)] == [("stopped", "running")] * 2
     assert alice.call("POST", f"api/jobs/{job['id']}/resume").status_code == 409
 
 
@@ -294,7 +306,7 @@ def test_an_mlflow_run_made_inside_a_job_is_tagged_with_that_jobs_gpu_hours_and_
             "alice", "vision", "h200", job["id"])
         # At least the 3 s it slept on the whole card, at most the job's own run: priced at 3.20 EUR per GPU-hour.
         seconds = Fraction(tags["gpupool.gpu_seconds"])
-        (interval,) = job_intervals(hub, job["id"])
+        (interval,) = closed_intervals(hub, job["id"], 1)
         assert 2 <= seconds <= (interval.end_at - interval.start_at).total_seconds()
         assert Decimal(tags["gpupool.cost"]) > 0 and tags["gpupool.currency"] == "EUR"
     finally:
@@ -376,7 +388,7 @@ def test_failures_cancels_a_hub_restart_and_other_teams(hub, tmp_path):
     second = alice.wait(queued["id"], lambda j: j["state"] in ENDED)
     assert second["state"] == "succeeded" and "second done" in second["log_tail"]
     # The holder's one run is one interval across the restart, ended by the cancel; the second's starts after it.
-    (held,), (then,) = job_intervals(hub, holder["id"]), job_intervals(hub, queued["id"])
+    (held,), (then,) = closed_intervals(hub, holder["id"], 1), closed_intervals(hub, queued["id"], 1)
     assert (held.how, held.state) == ("stopped", "running") and held.end_at <= then.start_at
 
 

@@ -25,6 +25,7 @@ import requests
 
 from gpupool.hub import lifecycle
 from gpupool.hub.harness import GPUPOOL, Hub
+from gpupool.spawner.pool import process_alive
 
 #: A service that listens, starts a child of its own (as `mlflow server` starts uvicorn and job runners), and
 #: on SIGTERM closes its socket and then takes "forever" to exit (as MLflow's interpreter teardown does).
@@ -71,7 +72,7 @@ def service_processes(state: Path) -> list[psutil.Process]:
 
 
 def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
-    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    return [p for p in processes if process_alive(p.pid, p.create_time())]  # not gone, not a zombie
 
 
 @pytest.fixture

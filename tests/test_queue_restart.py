@@ -9,14 +9,13 @@ import signal
 import time
 from datetime import timedelta
 
-import psutil
 import pytest
 import requests
 
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.periods import utcnow
 from gpupool.hub.harness import Hub
-from gpupool.spawner.pool import AllocationStore
+from gpupool.spawner.pool import AllocationStore, process_alive
 
 POLICY = {
     "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [hami, whole]}\n"
@@ -116,7 +115,7 @@ def test_a_server_that_ends_while_the_hub_is_down_is_billed_to_its_exit(hub):
     hub.kill()
     killed = utcnow()
     os.kill(pid, signal.SIGKILL)
-    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+    while process_alive(pid, None):  # until it is gone or a zombie (reaped between two looks: gone)
         time.sleep(0.1)
     exits = hub.state / "exits"
     deadline = time.monotonic() + 30
