@@ -577,11 +577,16 @@ def volcano_job_of(cluster, job_id: str) -> dict | None:
     return reply.json() if reply.ok else None
 
 
+def all_closed(ledger, job_id: str, count: int) -> list | None:
+    """The job's ledger intervals if they are `count` and all closed: the runner records a run's end in the jobs
+    table, then closes its interval (the job may read as ended a moment before its bill does)."""
+    runs = billed_runs(ledger, job_id)
+    return runs if len(runs) == count and all(i.end is not None for i in runs) else None
+
+
 async def closed_runs(ledger, job_id: str, count: int) -> list:
-    """The job's `count` ledger intervals once all are closed: the runner records a run's end in the jobs table,
-    then closes its interval (the job may read as ended a moment before its bill does)."""
-    return await until(f"{count} runs billed to their ends", lambda: (
-        runs := billed_runs(ledger, job_id)) and len(runs) == count and all(i.end is not None for i in runs) and runs)
+    """The job's `count` ledger intervals, once all are closed (`all_closed`)."""
+    return await until(f"{count} runs billed to their ends", lambda: all_closed(ledger, job_id, count))
 
 
 def billed_runs(ledger, job_id: str) -> list:
@@ -920,8 +925,7 @@ def test_a_job_submitted_with_the_cli_runs_as_a_volcano_job_restarts_outlives_a_
             wait("the Volcano Job deleted", lambda: volcano_job_of(cluster, job_id) is None)
             wait("its pod deleted", lambda: job_pod(cluster, job_id) is None)
             ledger = get_ledger(hub.ledger_url)
-            runs = wait("both runs billed to their ends", lambda: (
-                r := billed_runs(ledger, job_id)) and len(r) == 2 and all(i.end is not None for i in r) and r)
+            runs = wait("both runs billed to their ends", lambda: all_closed(ledger, job_id, 2))
             assert [i.how for i in runs] == [HowEnded.FAILED, HowEnded.STOPPED]
         finally:
             hub.stop()
