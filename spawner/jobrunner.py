@@ -105,11 +105,16 @@ def _private(folder: Path, owner: tuple[int, int] | None) -> None:
     """`folder` made (or kept) as a real folder of `owner`'s only, 0700 (the team folder's default ACLs give
     the group rwx; mode 0700 masks them)."""
     folder.mkdir(exist_ok=True)
-    if folder.is_symlink() or not folder.is_dir():
-        raise RuntimeError(f"{folder} is not a folder (a link?): the job's checkpoints cannot go there")
-    os.chmod(folder, 0o700)
-    if owner is not None:
-        os.chown(folder, *owner)
+    try:  # through a descriptor: a link swapped in after a look by path is never followed
+        descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        raise RuntimeError(f"{folder} is not a folder (a link?): the job's checkpoints cannot go there") from None
+    try:
+        os.fchmod(descriptor, 0o700)
+        if owner is not None:
+            os.fchown(descriptor, *owner)
+    finally:
+        os.close(descriptor)
 
 
 def checkpoint_folder(checkpoints: Path, owner: tuple[int, int] | None) -> None:

@@ -262,6 +262,9 @@ def write_server_datasets(folder: Path, setup: ServerDatasets, owner: tuple[int,
     The folder is made anew at every start (policy or membership may have changed) and is 0700, owned by
     the server's user: it is DVC's *global* config, outside any repository, so no `git add` can take it.
     Removing it first means nothing the user left in it (a symlink to a system file) is written through.
+    The user may rename and replace anything inside a folder of theirs (another of their servers runs), so
+    everything is given to them while it is still root's, through its descriptor or without following a link,
+    and the folder itself last: no owner change ever follows a link they planted (to `/etc/shadow`, say).
     """
     if folder.is_symlink():
         folder.unlink()
@@ -281,10 +284,12 @@ def write_server_datasets(folder: Path, setup: ServerDatasets, owner: tuple[int,
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(descriptor, "w") as out:
             out.write(text)
-        os.chmod(path, 0o600)
+            os.fchmod(descriptor, 0o600)
+            if owner is not None:
+                os.fchown(descriptor, *owner)
     if owner is not None:
-        for path in (folder, dvc, *files):
-            os.chown(path, *owner)
+        for path in (dvc, folder):
+            os.chown(path, *owner, follow_symlinks=False)
     return env
 
 

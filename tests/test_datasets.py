@@ -458,7 +458,7 @@ root_only = pytest.mark.skipif(os.getuid() != 0 or shutil.which("useradd") is No
 
 
 @root_only
-def test_nlp_user_can_neither_read_nor_write_the_vision_folder(tmp_path_factory):
+def test_nlp_user_can_neither_read_nor_write_the_vision_folder(tmp_path_factory, monkeypatch):
     import uuid
 
     from gpupool.policies.identity import unix_group, unix_user
@@ -530,6 +530,34 @@ def test_nlp_user_can_neither_read_nor_write_the_vision_folder(tmp_path_factory)
         assert as_user(alice, "ln", "-s", victim, config).returncode == 0
         spawner.dataset_env()
         assert victim.read_text() == "untouched" and not config.is_symlink()
+
+        # A racer who swaps in links the instant the folder is hers (another of her servers runs meanwhile) gets
+        # no file of root's, at a server's start nor at a job's run (its private folder, the same writer).
+        from gpupool.spawner.jobrunner import private_folder
+
+        job = type("JobDouble", (), {"user": alice, "id": "0123456789ab"})()  # what private_folder reads of a Job
+        for folder in (spawner.server_folder, private_folder(spawner, job)):
+            shadow, passwd = root / f"shadow-{folder.name}", root / f"passwd-{folder.name}"
+            for target in (shadow, passwd):
+                target.write_text("root's")
+            planted = []
+            real_chown, real_fchown = os.chown, os.fchown
+
+            def race(*args, real, folder=folder, shadow=shadow, passwd=passwd, planted=planted, **kwargs):
+                real(*args, **kwargs)
+                if not planted and folder.is_dir() and folder.stat().st_uid != 0:
+                    swap = (f"rm -f {folder}/gitconfig && ln -s {shadow} {folder}/gitconfig && mv {folder}/dvc "
+                            f"{folder}/old && mkdir {folder}/dvc && ln -s {passwd} {folder}/dvc/config")
+                    done = as_user(alice, "sh", "-c", swap)
+                    planted.append(done.returncode == 0 or done.stderr)
+
+            monkeypatch.setattr(os, "chown", lambda *a, **k: race(*a, real=real_chown, **k))
+            monkeypatch.setattr(os, "fchown", lambda *a, **k: race(*a, real=real_fchown, **k))
+            spawner.dataset_env(folder)
+            monkeypatch.undo()
+            assert planted == [True], (folder, planted)
+            for target in (shadow, passwd):
+                assert target.stat().st_uid == 0 and target.stat().st_gid == 0, (folder, target)
     finally:
         for user in (alice, nadia):
             subprocess.run(["userdel", "--remove", unix_user(user)], capture_output=True, check=False)
