@@ -70,6 +70,12 @@ def _refuse_new_names(handler, names) -> None:
     """A 400 naming the first name in `names` that cannot be a new user."""
     for name in names:
         problem = handler.authenticator.new_username_problem(name, exact=True)
+        if assume_user_is_human and username_already_taken:
+            # NativeAuthenticator's own words do not say that the name is compared once normalised (ＡＶＡ is ava)
+            typed = self.get_body_argument("username", "", strip=False)
+            name = self.authenticator.normalize_username(typed)
+            spelled = f" ({typed!r} is {name!r} once normalised: case folded, Unicode NFKC)" if typed != name else ""
+            return "alert-danger", f"Sign-up refused: the user name {name!r} is already in use{spelled}; choose another."
         if problem:
             raise web.HTTPError(400, "%s", f"{problem}")
 
@@ -191,7 +197,10 @@ class GPUPoolNativeAuthenticator(NativeAuthenticator):
             teams = list(current_policy(self.policy_dir, self.log).teams)
         except PolicyError as error:
             return f"the policies in {self.policy_dir} cannot be read, so no name can be checked ({error})"
-        existing = {n for (n,) in self.db.query(orm.User.name)} | {n for (n,) in self.db.query(UserInfo.username)}
+        users = {n for (n,) in self.db.query(orm.User.name)}
+        sign_ups = {n for (n,) in self.db.query(UserInfo.username)}
+        # A sign-up never takes an existing name; the REST API may make the hub user of a sign-up (the same person).
+        existing = users | (sign_ups - {name} if exact else sign_ups)
         system = {p.pw_name for p in pwd.getpwall() if p.pw_uid < SYSTEM_UID_LIMIT or p.pw_name == "nobody"}
         return new_username_problem(name, existing, teams, system)
 
@@ -212,3 +221,9 @@ class GPUPoolNativeAuthenticator(NativeAuthenticator):
         self.db.add(UserInfo(username=name, password=path.read_bytes().strip(), is_authorized=True))
         self.db.commit()
         self.log.info("Created the first admin %s from %s", name, path)
+    def user_exists(self, username):
+        """Whether the name, normalised, is taken: by a sign-up (NativeAuthenticator looks there only) or by a hub
+        user without one (made by an admin or the REST API), whose account a sign-up must never be given."""
+        name = self.normalize_username(username)
+        return super().user_exists(name) or orm.User.find(self.db, name) is not None
+

@@ -87,13 +87,18 @@ def new_username_problem(name: str, existing: Iterable[str] = (), teams: Iterabl
                          system_accounts: Iterable[str] = ()) -> str | None:
     """Why `name` (normalised) cannot be given to a new user, or None.
 
-    Beside the pattern: reserved names (`RESERVED_USERNAMES`, anything containing a `RESERVED_PARTS`
-    word), the teams' names, the machine's system accounts, and any name that looks like an `existing`
-    user's or a team's (same skeleton: `a-lice` beside `alice`, `v1sion` beside team `vision`).
+    Beside the pattern: an `existing` name itself (hub users and sign-ups, normalised: a new user never gets an
+    account that exists), reserved names (`RESERVED_USERNAMES`, anything containing a `RESERVED_PARTS` word),
+    the teams' names, the machine's system accounts, and any name that looks like an `existing` user's or a
+    team's (same skeleton: `a-lice` beside `alice`, `v1sion` beside team `vision`).
     """
     problem = username_problem(name)
     if problem:
         return problem
+    existing = set(existing)
+    if name in existing:
+        return (f"user name {name!r} is already in use (names are compared once normalised: case folded, Unicode "
+                f"NFKC); choose another")
     teams, system_accounts = set(teams), set(system_accounts)
     if name in teams:
         return f"user name {name!r} is reserved: it is a team's name (teams: {', '.join(sorted(teams))})"
@@ -103,8 +108,8 @@ def new_username_problem(name: str, existing: Iterable[str] = (), teams: Iterabl
     part = next((p for p in RESERVED_PARTS if p in shape or skeleton(p) in shape), None)
     if part:
         return f"user name {name!r} is reserved: names containing {part!r} read as an administrator's"
-    for other in sorted(set(existing)):
-        if other != name and skeleton(other) == shape:
+    for other in sorted(existing):
+        if skeleton(other) == shape:
             return f"user name {name!r} is too close to the existing user {other!r}; choose a distinct name"
     for team in sorted(teams):
         if skeleton(team) == shape:

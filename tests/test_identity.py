@@ -47,6 +47,12 @@ def test_reserved_and_confusable_names_are_refused(name, why):
     assert problem is not None and why in problem
 
 
+@pytest.mark.parametrize("typed", ["ava", "AVA", "ａｖａ"])
+def test_an_existing_name_is_never_a_new_one_however_written(typed):
+    problem = new_username_problem(normalize_username(typed), existing={"ava"})
+    assert problem is not None and "'ava' is already in use" in problem
+
+
 def test_ordinary_names_pass():
     for name in ("carol", "ana-maria", "bob2", "x", "q0"):
         assert new_username_problem(name, existing={"alice", "bob"}, teams={"vision", "nlp"}) is None

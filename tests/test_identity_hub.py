@@ -101,6 +101,20 @@ def test_signup_normalises_the_name(hub):
     assert "already in use" in page  # the same person, not a second user
 
 
+def test_a_signup_never_takes_an_existing_users_name_however_written(hub):
+    """Issue 33: a sign-up as `ａｖａ` (full-width) filed a request for the existing, password-less hub user `ava`,
+    whose approval would have given ava's account to whoever signed up."""
+    assert hub.api("POST", "/users/ava").status_code in (201, 409)  # made by the admin: no sign-up, no password
+    for typed in ("ａｖａ", "AVA", "ava"):
+        page = _signup(hub, typed)
+        assert "Sign-up refused" in page and "already in use" in page, (typed, page[-3000:])
+        assert "has been sent to the admin" not in page
+    admin = hub.log_in("admin", hub.admin_password())
+    sign_ups = admin.get(f"{hub.url}/hub/authorize", timeout=60)
+    assert sign_ups.status_code == 200 and not re.search(r'authorize/ava"', sign_ups.text), (
+        "a sign-up request for the existing user ava was filed: approving it would give ava's account away")
+
+
 def terminal(hub: Hub, name: str, command: str, until: str, timeout: float = 120) -> str:
     """Run `command` in a new JupyterLab terminal of `name`'s server, as the browser does; its output."""
     base = f"{hub.url}/user/{name}/api/terminals"
