@@ -113,13 +113,14 @@ install: $(STAMP) system-packages $(VENV)/.gpupool-lab-idle $(VENV)/.gpupool-whe
 install-test: install $(TEST_STAMP) $(VENV)/.gpupool-models test-system-packages
 
 # The images' environments for the embedded mode (`gpupool images build`, from images/NAME/requirements.lock):
-# servers and jobs of a profile's image run from them. `make test` builds finetune (the templates' end-to-end
-# test runs in it); `make images IMAGES="pytorch finetune"` builds others. As root: /opt/gpupool/images, on the
-# system's Python (every user runs it). Idempotent: nothing to do when nothing changed.
+# servers and jobs of a profile's image run from them. `make up` and `make test` build finetune (the default
+# policies' GPU profiles offer it, docs/finetune.md; the templates' end-to-end test runs in it); `make images
+# IMAGES="pytorch finetune"` builds others, `IMAGES=` none. As root: /opt/gpupool/images, on the system's Python
+# (every user runs it). Idempotent: nothing to do when nothing changed.
 IMAGES ?= finetune
 IMAGE_PYTHON ?= $(if $(SERVER_ENV),$(SERVER_PYTHON),)
-images: install-test
-	$(BIN)/gpupool images build $(IMAGES) --wheel $$(ls build/server-env/gpupool-*.whl) $(if $(IMAGE_PYTHON),--python $(IMAGE_PYTHON))
+images: install
+	$(if $(strip $(IMAGES)),$(BIN)/gpupool images build $(IMAGES) --wheel $$(ls build/server-env/gpupool-*.whl) $(if $(IMAGE_PYTHON),--python $(IMAGE_PYTHON)),@echo "make: no image environment built (IMAGES is empty)")
 
 # The images' lock files, regenerated from their short requirements files (and setup.cfg) with uv.
 locks: $(STAMP)
@@ -232,7 +233,7 @@ test-e2e: install-test kube-tools images
 
 # UP_ARGS go to `gpupool up`, e.g. make up UP_ARGS="--port 9000 --policies policies/examples"
 UP_ARGS ?=
-up: install cli
+up: install cli images
 	$(BIN)/gpupool up $(UP_ARGS)
 
 # `gpupool` on PATH, as the README uses it: linked into /usr/local/bin as root, ~/.local/bin otherwise

@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import shutil
 import sys
 from pathlib import Path
 
 from gpupool.images import TEMPLATES_DIR
+from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError, load_policy
+
+#: The gpupool image the templates run in.
+TEMPLATES_IMAGE = "finetune"
 
 
 def template_names() -> list[str]:
@@ -40,6 +45,28 @@ def new(name: str, target: Path) -> Path:
     return target
 
 
+def submit_hint(policy_dir: str | os.PathLike, team: str | None, current: str | None) -> str:
+    """How to submit a template as a job: the `gpupool jobs submit` line with a profile of `team` (any team when
+    None) that offers the templates' image, `current` (the server's own profile) first, and a line naming the
+    others that do; the way out when none does."""
+    command = "gpupool jobs submit --profile {} --image {} -- python train.py"
+    try:
+        policy = load_policy(policy_dir)
+    except (PolicyError, OSError):
+        return command.format("PROFILE", TEMPLATES_IMAGE)
+    profiles = policy.profiles_for_teams({team} if team else set(policy.teams))
+    offering = {slug: key for slug, profile in profiles.items()
+                for key, image in profile.images.items() if image.environment == TEMPLATES_IMAGE}
+    if not offering:
+        return (command.format("PROFILE", TEMPLATES_IMAGE) + f"\n  (no profile of {'team ' + team if team else 'any team'}"
+                f" offers the {TEMPLATES_IMAGE} image yet: an administrator adds it to a profile's `images:` in the "
+                "policy, see docs/finetune.md)")
+    slug = current if current in offering else next(iter(offering))
+    others = [s for s in offering if s != slug]
+    return command.format(slug, offering[slug]) + (
+        f"\n  (the other profiles with the {TEMPLATES_IMAGE} image: {', '.join(others)})" if others else "")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="templates_command", required=True, metavar="SUBCOMMAND")
     commands.add_parser("list", help="the fine-tuning templates")
@@ -60,9 +87,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"gpupool templates: {error}", file=sys.stderr)
         return 2
+    hint = submit_hint(os.environ.get("GPUPOOL_POLICIES") or DEFAULT_POLICY_DIR, os.environ.get("GPUPOOL_TEAM"),
+                       os.environ.get("GPUPOOL_PROFILE"))
     print(f"{args.name}: copied into {target}\n"
           f"  try it here:        cd {target} && python train.py\n"
-          f"  as a training job:  cd {target} && gpupool jobs submit --profile PROFILE --image finetune -- "
-          f"python train.py\n"
+          f"  as a training job:  cd {target} && {hint}\n"
           f"  settings: {target / 'config.yaml'}; how it works: {target / 'README.md'}")
     return 0

@@ -44,6 +44,19 @@ class Choice:
     image: str | None
 
 
+def image_way_out(profiles: dict[str, Profile], image) -> str:
+    """What to do about image choice `image` that a profile does not offer, `profiles` being those the person may
+    start: the profiles that offer it, or the policy field through which an administrator offers it."""
+    if not isinstance(image, str):
+        return ""
+    offering = [slug for slug, profile in profiles.items() if image in profile.images]
+    if offering:
+        return f"; {shown(image)} is offered by profile{'s' * (len(offering) > 1)} {', '.join(offering)}"
+    return (f"; no profile of your teams offers {shown(image)}: an administrator adds it to a profile's `images:` in "
+            f"the policy (profiles.PROFILE.images.{image if len(image) <= SHOWN_CHARACTERS else 'IMAGE'}; "
+            "see docs/finetune.md)")
+
+
 class ChoiceRefused(ValueError):
     """`options` were refused; `forbidden` when the user may start nothing at all (else the options are wrong)."""
 
@@ -91,6 +104,7 @@ def check_choice(policy: Policy, user: str, teams: list[str], options) -> Choice
     if image is not None and (not isinstance(image, str) or image not in profile.images):
         raise ChoiceRefused(
             f"No such image for {slug}: {shown(image)}. Options include: {', '.join(profile.images) or 'none'}"
+            + image_way_out(profiles, image)
         )
     if image is None and profile.images:
         image = next((i for i, img in profile.images.items() if img.default), next(iter(profile.images)))

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from gpupool.hub.accounting import db
 from gpupool.hub.accounting.ledger import HowEnded
 from gpupool.hub.accounting.restarts import Action, Ended, Event, Next, after_run
+from gpupool.policies.choice import image_way_out
 from gpupool.policies.model import JOB_PRIORITIES, Policy
 
 JOBS = db.Job.__table__
@@ -163,7 +164,8 @@ def resolve(policy: Policy, user: str, teams: Iterable[str], submission: JobSubm
     image = submission.image
     if image is not None and image not in profile.images:
         raise JobRefused(f"profile {submission.profile!r} has no image {image!r} (options: "
-                         f"{', '.join(profile.images) or 'none'})")
+                         f"{', '.join(profile.images) or 'none'})"
+                         + image_way_out(policy.profiles_for_teams(set(teams)), image))
     if image is None and profile.images:
         image = next((i for i, img in profile.images.items() if img.default), next(iter(profile.images)))
     return Resolved(team, submission.profile, priority, preemptible, max_restarts, image)
