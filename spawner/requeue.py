@@ -5,6 +5,10 @@ the hub. Once the restarted hub answers, each waiting request is started again t
 the options it was checked with, under a token of gpupool's own (`queue_service_token`, scope `servers`); it
 keeps its place in the queue. A request the hub refuses now (its user left the team, its profile is gone) is
 kept as lost with the hub's reason, which its user sees on their home page.
+
+The hub holds each such request for its `slow_spawn_timeout` (a queued spawn is pending: 202 after ~10 s), so
+they are asked for `ASKING_AT_ONCE` at a time, in queue order, over connections of their own: none waits in
+an HTTP client's queue, where it would time out ("Timeout in request queue") however many wait.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from gpupool.spawner.pool import AllocationStore, LocalPool, Queued
 
 #: How long to wait for the restarted hub's API to answer before giving the requests up.
 HUB_WAIT_S = 300
+#: Requests asked for again at the same time (each held by the hub ~10 s): 100 waiting are back in ~50 s.
+ASKING_AT_ONCE = 20
 
 _stores: dict[str, AllocationStore] = {}
 
@@ -68,18 +74,27 @@ async def requeue(pool: LocalPool, api_url: str, token: str, log) -> None:
     # Training jobs (keys `job:ID`) are asked for again by the job runner, not through the hub's API.
     entries = sorted((q for q in pool.restoring.values() if not q.request.key.startswith("job:")),
                      key=lambda q: q.seq)
-    client = AsyncHTTPClient()
+    # A client of its own, never the hub's shared one (its proxy calls would wait behind these), with a
+    # connection for each request in flight: tornado's queue wait counts against `connect_timeout`.
+    client = AsyncHTTPClient(force_instance=True, max_clients=ASKING_AT_ONCE)
     api_url = api_url.rstrip("/") + "/"
     try:
         if not await _hub_answers(client, api_url, time.monotonic() + HUB_WAIT_S):
             for entry in entries:
                 pool.store.mark_lost(entry.request.key, "the hub did not come back in time after its restart")
             return
-        # All at once: the hub answers a pending spawn only after its slow_spawn_timeout, and each request
-        # keeps its place whatever order they arrive in (the pool holds later ones until these are back).
-        await asyncio.gather(*(_ask_again(client, pool, api_url, token, e, log) for e in entries
-                               if e.request.key not in pool.waiting))
+        # In queue order, so the head is back (and may start) first; each keeps its place whatever order they
+        # arrive in (the pool holds later ones until these are back).
+        ahead = iter(entries)
+
+        async def asker() -> None:
+            for entry in ahead:
+                if entry.request.key not in pool.waiting:  # its user asked again first: it is back anyway
+                    await _ask_again(client, pool, api_url, token, entry, log)
+
+        await asyncio.gather(*(asker() for _ in range(ASKING_AT_ONCE)))
     finally:
+        client.close()
         pool.restored()
 
 

@@ -1,13 +1,17 @@
 """The queue survives hub restarts, a crash included: through a real `gpupool up`, killed with SIGKILL while
-requests wait, then started again on the same state folder."""
+requests wait, then started again on the same state folder; and however many wait, every one comes back."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import os
 import re
 import signal
 import time
 from datetime import timedelta
+from fractions import Fraction
 
 import pytest
 import requests
@@ -15,7 +19,8 @@ import requests
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.periods import utcnow
 from gpupool.hub.harness import Hub
-from gpupool.spawner.pool import AllocationStore, process_alive
+from gpupool.spawner.pool import AllocationStore, LocalPool, Request, declared_cards, process_alive
+from gpupool.spawner.requeue import requeue
 
 POLICY = {
     "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [hami, whole]}\n"
@@ -132,3 +137,58 @@ def test_a_server_that_ends_while_the_hub_is_down_is_billed_to_its_exit(hub):
     # Exact to its exit (the ledger keeps whole seconds), not its last heartbeat nor the hub's restart.
     assert killed - timedelta(seconds=1) <= closed.end <= restarted, (killed, closed.end, restarted)
     assert closed.end - interval.start >= timedelta(seconds=4)
+
+
+def test_a_hundred_waiting_requests_all_come_back_in_order(tmp_path):
+    """More requests than the HTTP client's connections, each held by the hub as long as a pending spawn is (its
+    slow_spawn_timeout): all came back, not the 20 that got a connection within tornado's 20 s queue wait."""
+    from tornado import web
+    from tornado.httpserver import HTTPServer
+    from tornado.netutil import bind_sockets
+
+    from gpupool.policies import load_policy
+
+    waiting = 100
+    store = AllocationStore(tmp_path / "allocations.sqlite", owner="before-the-crash")
+    for i in range(waiting):
+        store.enqueue(Request(key=f"u{i:03}/", user=f"u{i:03}", team="vision", profile="h200",
+                              display_name="1 × H200", model="H200", share=Fraction(1)), {"profile": "h200"})
+    (tmp_path / "policies").mkdir()
+    for name, text in POLICY.items():
+        (tmp_path / "policies" / name).write_text(text)
+    pool = LocalPool(declared_cards(load_policy(tmp_path / "policies")),
+                     AllocationStore(tmp_path / "allocations.sqlite", owner="after-the-restart"))
+    assert len(pool.restoring) == waiting
+    asked: list[str] = []
+
+    class HubDouble(web.RequestHandler):
+        """The restarted hub's REST API as the requeue meets it: a POST of a spawn that waits in the queue is
+        answered 202 once the hub's slow_spawn_timeout has passed (3 s here, 10 s by default)."""
+
+        def get(self):
+            self.finish({"version": "6"})
+
+        async def post(self, user):
+            assert self.request.headers["Authorization"] == "token the-queue-token"
+            assert json.loads(self.request.body) == {"profile": "h200"}
+            asked.append(user)
+            await asyncio.sleep(3)
+            self.set_status(202)
+
+    async def run():
+        sockets = bind_sockets(0, "127.0.0.1")
+        server = HTTPServer(web.Application([(r"/hub/api/", HubDouble), (r"/hub/api/users/([^/]+)/server", HubDouble)]))
+        server.add_sockets(sockets)
+        try:
+            await requeue(pool, f"http://127.0.0.1:{sockets[0].getsockname()[1]}/hub/api", "the-queue-token",
+                          logging.getLogger("test"))
+        finally:
+            server.stop()
+
+    asyncio.run(run())
+    users = [f"u{i:03}" for i in range(waiting)]
+    lost = {u: store.lost(u) for u in users}
+    assert {u: q[0].lost for u, q in lost.items() if q} == {}  # the old client: "Timeout in request queue"
+    assert sorted(asked) == users  # each asked for exactly once
+    assert [q.request.key for q in store.queued()] == [f"{u}/" for u in users]  # all still waiting, in their order
+    assert not pool.restoring  # the queue moves on
