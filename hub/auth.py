@@ -11,7 +11,7 @@ import os
 import pwd
 from pathlib import Path
 
-from jupyterhub import orm
+from jupyterhub import orm, roles
 from jupyterhub.apihandlers import groups as groups_api
 from jupyterhub.apihandlers import users as users_api
 from jupyterhub.scopes import needs_scope
@@ -64,6 +64,22 @@ class SignUpHandler(native_handlers.SignUpHandler):
                 return "alert-danger", f"Sign-up refused: {problem}."
         return super().get_result_message(user, assume_user_is_human, username_already_taken,
                                           confirmation_matches, user_is_admin)
+
+
+class ToggleAuthorizationHandler(native_handlers.ToggleAuthorizationHandler):
+    """Approving a sign-up (`/hub/authorize/NAME`) makes the hub user at once: NativeAuthenticator alone makes it
+    at the first login, so until then `gpupool team add-member` and the admin page's groups knew nobody of
+    that name. Withdrawing an approval keeps the hub user (and their teams); the login refuses them."""
+
+    @needs_scope("admin:users")
+    async def get(self, slug):
+        info = UserInfo.find(self.db, slug)
+        if info is None:
+            raise web.HTTPError(404, "%s", f"no sign-up of {slug!r}: the sign-ups are listed at /hub/authorize")
+        UserInfo.change_authorization(self.db, slug)
+        if info.is_authorized:
+            self.user_from_username(info.username)
+        self.redirect(self.hub.base_url + "authorize#" + slug)
 
 
 def _refuse_new_names(handler, names) -> None:
@@ -165,9 +181,11 @@ class GPUPoolNativeAuthenticator(NativeAuthenticator):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ensure_first_admin()
+        self.ensure_approved_users()
 
     def get_handlers(self, app):
-        replaced = {LoginHandler: native_handlers.LoginHandler, SignUpHandler: native_handlers.SignUpHandler}
+        replaced = {LoginHandler: native_handlers.LoginHandler, SignUpHandler: native_handlers.SignUpHandler,
+                    ToggleAuthorizationHandler: native_handlers.ToggleAuthorizationHandler}
         ours = [(route, next((mine for mine, theirs in replaced.items() if handler is theirs), handler))
                 for route, handler in super().get_handlers(app)]
         api = [(route, IDENTITY_API_HANDLERS[handler])
@@ -221,6 +239,21 @@ class GPUPoolNativeAuthenticator(NativeAuthenticator):
         self.db.add(UserInfo(username=name, password=path.read_bytes().strip(), is_authorized=True))
         self.db.commit()
         self.log.info("Created the first admin %s from %s", name, path)
+
+    def ensure_approved_users(self) -> None:
+        """A hub user for every approved sign-up that has none (approved before approval made one, or through
+        NativeAuthenticator's e-mail link), so that each can be put in a team before their first login."""
+        if orm.Role.find(self.db, "user") is None:
+            return  # a new database, before JupyterHub made its roles: no sign-up approved yet (the admin is its own)
+        missing = [name for (name,) in self.db.query(UserInfo.username).filter(UserInfo.is_authorized.is_(True))
+                   if orm.User.find(self.db, name) is None]
+        for name in missing:
+            user = orm.User(name=name)
+            self.db.add(user)
+            roles.assign_default_roles(self.db, entity=user)
+        if missing:
+            self.db.commit()
+            self.log.info("Created the hub users of %d approved sign-up(s): %s", len(missing), ", ".join(missing))
     def user_exists(self, username):
         """Whether the name, normalised, is taken: by a sign-up (NativeAuthenticator looks there only) or by a hub
         user without one (made by an admin or the REST API), whose account a sign-up must never be given."""

@@ -10,16 +10,43 @@ from gpupool.hub import __version__
 
 
 def _policy_check(args: argparse.Namespace) -> int:
+    """Check a policy directory: by default the one the running platform uses, whose hot reload refuses the
+    same problems (and keeps its previous policy), else the policies shipped with gpupool."""
+    from pathlib import Path
+
     from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError, load_policy
 
-    directory = args.directory or DEFAULT_POLICY_DIR
+    state, used = _running_policies()
+    directory = Path(args.directory or used or DEFAULT_POLICY_DIR).resolve()
+    in_force = used is not None and directory == used
     try:
         policy = load_policy(directory)
     except PolicyError as error:
-        print(error.report(directory, "nothing was changed"), file=sys.stderr)
+        print(error.report(directory, f"the platform in {state} refuses this change and keeps its previous policy "
+                                      "until the files are fixed" if in_force else "nothing was changed"),
+              file=sys.stderr)
         return 1
-    print(f"OK {directory}: {policy.summary()}")
+    print(f"OK {directory}: {policy.summary()}" + (f" (in force on the platform in {state})" if in_force else ""))
+    if in_force:
+        from gpupool.hub.up import unlisted_roles
+
+        for note in unlisted_roles(state, policy):
+            print(f"note: {note}", file=sys.stderr)
     return 0
+
+
+def _running_policies():
+    """The state folder and the policy directory of the platform this account runs (`gpupool up`), or Nones."""
+    import json
+    from pathlib import Path
+
+    from gpupool.hub.lifecycle import NoPlatform, find_state_dir
+
+    try:
+        state = find_state_dir(None)
+        return state, Path(json.loads((state / "hub.json").read_text())["policies"]).resolve()
+    except (NoPlatform, OSError, ValueError, KeyError):
+        return None, None
 
 
 def _policy_reference(args: argparse.Namespace) -> int:
@@ -112,7 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     policy = commands.add_parser("policy", help="check policy files")
     policy_commands = policy.add_subparsers(dest="policy_command", required=True, metavar="SUBCOMMAND")
     check = policy_commands.add_parser("check", help="validate a policy directory")
-    check.add_argument("directory", nargs="?", help="policy directory (default: the policies shipped with gpupool)")
+    check.add_argument("directory", nargs="?", help="policy directory (default: the running platform's, which refuses "
+                                                    "an invalid change the same way; else the policies shipped with "
+                                                    "gpupool)")
     check.set_defaults(func=_policy_check)
     reference = policy_commands.add_parser("reference", help="print the policy file reference (Markdown)")
     reference.set_defaults(func=_policy_reference)

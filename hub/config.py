@@ -174,7 +174,7 @@ def home_page_teams(policy_dir: Path, ledger_url: str = ""):
             return {"teams": None, "leads": []}
         groups = {getattr(g, "name", g) for g in getattr(user, "groups", []) or []}
         mine = sorted((groups | set(policy.teams_of(user.name))
-                       | {t for t, team in policy.teams.items() if user.name in team.leads}) & set(policy.teams))
+                       | set(policy.leads_of(user.name, groups))) & set(policy.teams))
         return {"teams": mine, "leads": [(t, sorted(team.leads)) for t, team in sorted(policy.teams.items())
                                          if team.leads],
                 "named_servers": policy.named_server_limit(policy.teams_of(user.name, groups)),
@@ -243,6 +243,25 @@ def home_announcement(state_dir: str, ledger_url: str, user) -> str:
     return "".join(n for n in notices if n)
 
 
+def policy_notice(policy_dir: str, user) -> str:
+    """For admins, atop every hub page (the admin page, sign-up approvals, home): a change of the policy files the
+    hot reload refused, each problem with its file and line, while the previous policy stays in force."""
+    if user is None or not getattr(user, "admin", False):
+        return ""
+    from markupsafe import Markup
+
+    from gpupool.policies.reload import refused_change
+
+    error = refused_change(policy_dir)
+    if error is None:
+        return ""
+    problems = Markup("").join(Markup("<li><code>{}</code></li>").format(str(p)) for p in error.problems)
+    return str(Markup('<div id="gpupool-policy-refused" class="text-start"><strong>A change of the policies in {} '
+                      'was refused:</strong> the hub keeps the previous policy until the files are fixed '
+                      '(<code>gpupool policy check</code> says the same).<ul class="mb-1">{}</ul></div>').format(
+        policy_dir, problems))
+
+
 def idle_notice(ledger_url: str, name: str) -> str:
     """The idle culler's warnings for `name`'s servers, as HTML, linking the culler's page to keep them."""
     from markupsafe import Markup
@@ -296,8 +315,12 @@ def apply_config(c, settings: Settings) -> None:
     # come back are told why on their home page.
     queue_token = secrets.token_hex(32)
     c.LocalGPUSpawner.queue_service_token = queue_token
+    notice = partial(policy_notice, str(settings.policy_dir))
+    home = partial(home_announcement, str(state), settings.ledger_url)
     c.JupyterHub.template_vars = {"gpupool": home_page_teams(settings.policy_dir, settings.ledger_url),
-                                  "announcement_home": partial(home_announcement, str(state), settings.ledger_url)}
+                                  "announcement": notice,
+                                  # the home page shows its own instead of the pages' one: a refused policy leads it
+                                  "announcement_home": lambda user: notice(user) + home(user)}
 
     if settings.authenticator == "native":
         c.JupyterHub.authenticator_class = "gpupool.hub.auth.GPUPoolNativeAuthenticator"
@@ -315,8 +338,9 @@ def apply_config(c, settings: Settings) -> None:
     c.JupyterHub.load_groups = team_groups(policy)
     token_file = state / "cli-token"
     services = [{"name": "gpupool-cli", "api_token": token_file.read_text().strip()}] if token_file.exists() else []
-    roles = [{"name": "gpupool-cli", "description": "gpupool team add-member", "scopes": CLI_SCOPES,
-              "services": ["gpupool-cli"]}] if services else []
+    # tokens!user=ADMIN: `gpupool jobs` on the hub's machine acts as the admin with a token made for the command.
+    roles = [{"name": "gpupool-cli", "description": "gpupool team add-member, gpupool jobs as the admin",
+              "scopes": [*CLI_SCOPES, f"tokens!user={settings.admin}"], "services": ["gpupool-cli"]}] if services else []
     services.append({"name": QUEUE_SERVICE, "api_token": queue_token})
     roles.append({"name": QUEUE_SERVICE, "description": "gpupool starts the requests that waited in the queue "
                   "again after a hub restart", "scopes": ["servers"], "services": [QUEUE_SERVICE]})

@@ -1,9 +1,11 @@
 """`gpupool jobs`: submit, list, show, follow, suspend, resume and cancel training jobs through the jobs service's REST API.
 
 Run in a server's terminal or a notebook (`!gpupool jobs …`), it needs nothing: the server's own hub token
-(`$JUPYTERHUB_API_TOKEN`) and the hub's address (`$GPUPOOL_HUB_URL`) are in its environment. Elsewhere, give
-`--url` (the hub, or the service itself) and `--token` (one from the hub's token page), or set
-`$GPUPOOL_HUB_URL` and `$JUPYTERHUB_API_TOKEN`.
+(`$JUPYTERHUB_API_TOKEN`) and the hub's address (`$GPUPOOL_HUB_URL`) are in its environment. On the hub's machine,
+as the account that runs it, it needs nothing either: like `gpupool team`, it finds the platform `gpupool up`
+recorded and acts as its admin, with a token of the admin's that the `gpupool-cli` service makes for the one
+command. Elsewhere, give `--url` (the hub, or the service itself) and `--token` (one from the hub's token page),
+or set `$GPUPOOL_HUB_URL` and `$JUPYTERHUB_API_TOKEN`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ import requests
 
 #: Seconds between two reads of a followed log.
 FOLLOW_S = 1.0
+#: The life of the admin's token `gpupool jobs` makes on the hub's machine; it is deleted when the command ends,
+#: and expires by itself should the command be killed (a followed log may outlive it: then the hub refuses it).
+TOKEN_SECONDS = 24 * 3600
 ENDED = ("succeeded", "failed", "cancelled")
 
 
@@ -61,11 +66,56 @@ def service_url(args: argparse.Namespace) -> str:
 
 
 def client(args: argparse.Namespace) -> Client:
+    # A token of one's own (a server's, one given) always comes first: the platform's is only its admin's.
     token = args.token or os.environ.get("JUPYTERHUB_API_TOKEN") or os.environ.get("GPUPOOL_TOKEN")
-    if not token:
+    if token:
+        return Client(service_url(args), token)
+    found = None if args.url else _admin_on_the_hubs_machine(args)
+    if found is None:
         raise JobsError("no hub token: give --token (make one on the hub's token page) or set JUPYTERHUB_API_TOKEN; "
-                        "in a server it is set")
-    return Client(service_url(args), token)
+                        "in a server it is set; on the hub's machine the account that runs `gpupool up` needs "
+                        "none (it acts as the platform's admin)")
+    return found
+
+
+def _admin_on_the_hubs_machine(args: argparse.Namespace) -> Client | None:
+    """The platform `gpupool up` recorded for this Unix account (or `--state-dir`'s), as its admin: a token of the
+    admin's made for this command with the `gpupool-cli` service's token, readable only by the account that runs
+    the hub (the state folder is 0700, the token 0600), so anyone else is told to use their own. None where this
+    account started no platform."""
+    import json
+    import urllib.error
+
+    from gpupool.hub import lifecycle
+    from gpupool.hub.up import hub_api
+
+    try:
+        state = lifecycle.find_state_dir(args.state_dir)
+    except lifecycle.NoPlatform as error:
+        if args.state_dir or lifecycle.platforms():  # this account runs platforms: say which, or that none runs
+            raise JobsError(f"{error}; or give --url and --token") from None
+        return None
+    try:
+        hub = json.loads((state / "hub.json").read_text())
+        (state / "cli-token").read_bytes()
+    except PermissionError:
+        raise JobsError(f"the platform in {state} is another account's: only the account that runs the hub acts as "
+                        "its admin; use your own token: --token (make one on the hub's token page) and --url") from None
+    except (OSError, ValueError):
+        raise JobsError(f"no running gpupool platform in {state} (start it with `gpupool up --state-dir {state}`), "
+                        "or give --url and --token") from None
+    admin = hub.get("admin") or "admin"
+    try:
+        status, made = hub_api(state, "POST", f"/users/{admin}/tokens",
+                               {"note": "gpupool jobs on the hub's machine", "expires_in": TOKEN_SECONDS})
+    except urllib.error.URLError as error:
+        raise JobsError(f"the hub at {hub.get('url')} does not answer ({error.reason}); is `gpupool up` "
+                        "running?") from None
+    if status != 201:
+        raise JobsError(f"the hub would not make a token for its admin {admin!r}: "
+                        f"{(made or {}).get('message') or status}")
+    args.forget_token = lambda: hub_api(state, "DELETE", f"/users/{admin}/tokens/{made['id']}")
+    return Client(hub["url"].rstrip("/") + "/services/jobs/", made["token"])
 
 
 def _env_pairs(pairs: list[str]) -> dict[str, str]:
@@ -169,6 +219,12 @@ def main(args: argparse.Namespace) -> int:
     except JobsError as error:
         print(f"gpupool jobs: {error}", file=sys.stderr)
         return 1
+    finally:
+        if getattr(args, "forget_token", None):
+            try:
+                args.forget_token()
+            except OSError:
+                pass  # it expires by itself
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -176,7 +232,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     def common(sub: argparse.ArgumentParser) -> None:
         sub.add_argument("--url", help="the hub (or the jobs service) URL (default: $GPUPOOL_HUB_URL, set in servers)")
-        sub.add_argument("--token", help="a hub API token (default: $JUPYTERHUB_API_TOKEN, set in servers)")
+        sub.add_argument("--token", help="a hub API token (default: $JUPYTERHUB_API_TOKEN, set in servers; on the "
+                                         "hub's machine, as the account that runs it: none, it acts as the admin)")
+        sub.add_argument("--state-dir", help="on the hub's machine: the platform's state folder (default: the platform "
+                                             "`gpupool up` started, recorded in ~/.local/state/gpupool)")
 
     sub = commands.add_parser("submit", help="submit a training job: gpupool jobs submit --profile P -- CMD ...")
     common(sub)

@@ -187,7 +187,8 @@ def platform_state(args: argparse.Namespace) -> Path | None:
 
 
 def _team_call(args: argparse.Namespace, steps) -> int:
-    """Run `steps(state)` (REST calls to the hub) and turn an unreachable hub into one clear line."""
+    """Run `steps(state)` (REST calls to the hub) and turn an unreachable hub into one clear line; say when the hub
+    refuses its policy files as they are now (teams and their leads come from them too)."""
     state = platform_state(args)
     if state is None:
         return 1
@@ -196,6 +197,38 @@ def _team_call(args: argparse.Namespace, steps) -> int:
     except urllib.error.URLError as error:
         print(f"the hub does not answer ({error.reason}); is `gpupool up` running?", file=sys.stderr)
         return 1
+    finally:
+        refused = policy_refusal(state)
+        if refused:
+            print(f"note: {refused}", file=sys.stderr)
+
+
+def policy_refusal(state: Path) -> str | None:
+    """Why the running platform refuses its policy files as they are now (it keeps its previous policy), or None."""
+    policies = json.loads((state / "hub.json").read_text()).get("policies")
+    try:
+        if policies:
+            load_policy(policies)
+    except PolicyError as error:
+        return error.report(policies, "the hub refused this change of its policies and keeps the previous one until "
+                                      "the files are fixed (gpupool policy check)")
+    return None
+
+
+def unlisted_roles(state: Path, policy) -> list[str]:
+    """The leads and reviewers `policy` names who are in neither their team's `members` nor its hub group: they
+    have none of the role's rights until they join (a typo, or `gpupool team add-member` still to run)."""
+    try:
+        status, groups = hub_api(state, "GET", "/groups")
+    except urllib.error.URLError:
+        return []
+    if status >= 400:
+        return []
+    in_group = {g["name"]: set(g.get("users") or []) for g in groups or []}
+    return [f"teams.{name}.{role}: {user!r} is in neither the team's members nor its hub group, so has no "
+            f"{role[:-1]}'s rights until added (gpupool team add-member {name} {user})"
+            for name, team in policy.teams.items() for role in ("leads", "reviewers") for user in getattr(team, role)
+            if user not in team.members and user not in in_group.get(name, set())]
 
 
 def _team_or_error(state: Path, team: str) -> dict | None:
@@ -223,9 +256,9 @@ def team_add_member(args: argparse.Namespace) -> int:
         status, user = hub_api(state, "GET", f"/users/{args.user}")
         if status == 404:
             if not args.create:
-                print(f"no user {args.user!r} on the hub: people sign up on the login page and an admin approves "
-                      f"them at /hub/authorize; check the spelling (gpupool team list), or pass --create to create "
-                      f"{args.user!r} now", file=sys.stderr)
+                print(f"no user {args.user!r} on the hub: people sign up on the login page and are users once an "
+                      f"admin approves them at /hub/authorize (a sign-up waiting there is not one yet); check the "
+                      f"spelling (gpupool team list), or pass --create to create {args.user!r} now", file=sys.stderr)
                 return 1
             status, user = hub_api(state, "POST", f"/users/{args.user}")
             if _refused(status, user):

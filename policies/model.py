@@ -500,10 +500,15 @@ class Team(Strict):
         description="`policy`: members are listed here; `authenticator`: members come from the login "
         "provider's groups claim (OAuthenticator `manage_groups`).",
     )
-    members: list[str] = Field(default_factory=list, description="Hub user names (with `group_source: policy`).")
-    leads: list[str] = Field(default_factory=list, description="See their team's usage and bills.")
+    members: list[str] = Field(
+        default_factory=list, description="Hub user names (with `group_source: policy`); the team's hub group "
+        "adds more (`gpupool team add-member`, the admin page's groups, the login provider's groups).")
+    leads: list[str] = Field(
+        default_factory=list, description="See their team's usage and bills. A lead is a member by `members` or "
+        "by the team's hub group; a name in neither has no lead's rights until added.")
     reviewers: list[str] = Field(
-        default_factory=list, description="May move the team's models to `production` in MLflow."
+        default_factory=list, description="May move the team's models to `production` in MLflow (members only, "
+        "like `leads`)."
     )
     priority: int = Field(0, ge=0, le=1_000_000, description="Higher first, in the queue and in Volcano.")
     queue: QueueSettings = Field(QueueSettings(), description="The team's Volcano queue.")
@@ -707,6 +712,11 @@ class Policy(Strict):
         names `user` (the one membership rule; without `groups` only the policy's member lists count)."""
         groups = set(groups)
         return [name for name, team in self.teams.items() if name in groups or user in team.members]
+
+    def leads_of(self, user: str, groups: Iterable[str] = ()) -> list[str]:
+        """The teams `user` leads: named in their `leads` and a member (by `teams_of`'s one rule, so a lead in the
+        team by its hub group alone is a lead; the policy files cannot know the groups, so they do not ask)."""
+        return [name for name in self.teams_of(user, groups) if user in self.teams[name].leads]
 
     def named_server_limit(self, teams) -> int:
         """How many named servers a member of `teams` may have: the largest of their teams' (0 in no team)."""

@@ -7,13 +7,17 @@ nor its parent, without --state-dir.
 from __future__ import annotations
 
 import json
+import os
+import re
+import stat
 from datetime import UTC, datetime
 from fractions import Fraction
 
 import pytest
+import requests
 
 from gpupool.hub.accounting.ledger import Ledger
-from gpupool.hub.harness import Hub
+from gpupool.hub.harness import Hub, wait_for
 
 POLICY = {
     "policy.yaml": """
@@ -104,3 +108,119 @@ def test_make_links_the_gpupool_command_onto_a_folder_of_path(tmp_path):
     done = subprocess.run(["gpupool", "--version"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                           env={"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin"})
     assert done.returncode == 0 and done.stdout.startswith("gpupool "), done.stderr
+
+
+def test_an_approved_sign_up_joins_a_team_and_leads_it_before_logging_in(hub, elsewhere):
+    """Issue 33 items 4 and 5: sign up, the admin approves at /hub/authorize (as their browser does), and
+    `gpupool team add-member` puts the person in the team before their first login; named a lead in the policy
+    files while in the team by its hub group alone, they are its lead once the hot reload takes the change."""
+    def gpupool(*args):
+        return hub.cli(*args, cwd=elsewhere)
+
+    password = "erin-is-signing-up"
+    signup = requests.Session()
+    signup.get(f"{hub.url}/hub/signup", timeout=30)
+    reply = signup.post(f"{hub.url}/hub/signup", timeout=60, data={
+        "username": "erin", "signup_password": password, "signup_password_confirmation": password,
+        "_xsrf": signup.cookies.get("_xsrf", "")})
+    assert reply.status_code == 200 and "has been sent to the admin" in reply.text, reply.text[-2000:]
+    pending = gpupool("team", "add-member", "vision", "erin")
+    assert pending.returncode == 1 and "no user 'erin' on the hub" in pending.stderr, pending.stderr
+    assert "approves them at /hub/authorize" in pending.stderr, "the refusal names the way out"
+
+    admin = hub.log_in("admin", hub.admin_password())
+    approved = admin.get(f"{hub.url}/hub/authorize/erin", timeout=60)
+    assert approved.status_code == 200 and "erin" in approved.text
+    added = gpupool("team", "add-member", "vision", "erin")
+    assert added.returncode == 0 and "erin is now a member of team vision" in added.stdout, added.stderr
+    assert "erin" in hub.api("GET", "/groups/vision").json()["users"]
+
+    policy = hub.policies / "policy.yaml"
+    valid = policy.read_text()
+    try:
+        policy.write_text(valid.replace("vision: {members: []}", "vision: {members: [], leads: [erin, erni]}"))
+        checked = gpupool("policy", "check")
+        assert checked.returncode == 0, checked.stderr
+        assert f"OK {hub.policies}" in checked.stdout and "in force on the platform" in checked.stdout
+        assert "teams.vision.leads: 'erni' is in neither the team's members nor its hub group" in checked.stderr
+        assert "'erin'" not in checked.stderr
+        erin = hub.log_in("erin", password)  # her first login
+        token = {"Authorization": f"token {hub.user_token('erin')}"}
+        bill = f"{hub.url}/services/accounting/api/teams/vision/bill?format=json"
+        wait_for(lambda: requests.get(bill, headers=token, timeout=30).status_code == 200, timeout=60,
+                 message="erin, a lead by the hub group, sees her team's bill")
+        assert requests.get(bill.replace("vision", "robotics"), headers=token, timeout=30).status_code == 404
+
+        # A refused change: said on the hub's pages to admins (file and line), by `policy check`, by `team …`.
+        policy.write_text(valid.replace("vision: {members: []}", "vision: {members: [], priority: -3}"))
+        line = next(i for i, text in enumerate(policy.read_text().splitlines(), 1) if "priority: -3" in text)
+        where = f"{policy}:{line}:"
+        checked = gpupool("policy", "check")
+        assert checked.returncode == 1 and where in checked.stderr and "negative number" in checked.stderr
+        assert "refuses this change and keeps its previous policy" in checked.stderr
+        listed = gpupool("team", "list")
+        assert listed.returncode == 0 and where in listed.stderr and "keeps the previous one" in listed.stderr
+        for page in ("admin", "home", "authorize"):
+            shown = wait_for(lambda: (lambda text: text if "gpupool-policy-refused" in text else None)(
+                admin.get(f"{hub.url}/hub/{page}", timeout=30).text), timeout=60, message=f"the banner on /hub/{page}")
+            assert where in shown and "negative number" in shown and "keeps the previous policy" in shown
+        assert "gpupool-policy-refused" not in erin.get(f"{hub.url}/hub/home", timeout=30).text, "admins only"
+    finally:
+        policy.write_text(valid)
+    assert gpupool("policy", "check").returncode == 0
+    assert "gpupool-policy-refused" not in admin.get(f"{hub.url}/hub/admin", timeout=30).text
+    assert gpupool("team", "remove-member", "vision", "erin").returncode == 0
+
+
+def test_jobs_need_no_token_on_the_hubs_machine_for_the_account_that_runs_it(hub, elsewhere):
+    """Issue 33 item 13: `gpupool jobs` finds the hub and acts as its admin like `gpupool team` does, with a token
+    made for the command and deleted after it; anyone else on the machine cannot read what it uses."""
+    listed = hub.cli("jobs", "list", cwd=elsewhere)
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.strip() == "no jobs" or listed.stdout.startswith("JOB")
+    missing = hub.cli("jobs", "show", "0123456789ab", cwd=elsewhere)
+    assert missing.returncode == 1 and "no job '0123456789ab'" in missing.stderr, missing.stderr
+    tokens = hub.api("GET", "/users/admin/tokens").json()["api_tokens"]
+    assert not [t for t in tokens if "gpupool jobs" in (t.get("note") or "")], "the command's token is deleted"
+
+    # Least privilege: the cli-token is the hub account's alone; another account is sent to its own token.
+    assert stat.S_IMODE(os.stat(hub.state).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(hub.state / "cli-token").st_mode) == 0o600
+    if os.geteuid() != 0:
+        return
+    done = _as_nobody(["jobs", "list", "--state-dir", str(hub.state)])
+    assert done[0] == 1 and "another account's" in done[1] and "use your own token: --token" in done[1], done
+
+
+def _as_nobody(argv: list[str]) -> tuple[int, str]:
+    """`gpupool ARGV` as the account `nobody`: in a child of this process (this environment's interpreter lies
+    in root's home, which other accounts cannot run), with nothing of root's left but the code already loaded."""
+    import pwd
+    import sys
+
+    import gpupool.hub.cli
+    import gpupool.hub.lifecycle
+    import gpupool.hub.up  # noqa: F401  (loaded before the child drops root: it could not read them after)
+
+    account = pwd.getpwnam("nobody")
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 2
+        try:
+            os.close(read)
+            sys.stderr = os.fdopen(write, "w")  # pytest's capture holds the real one
+            os.setgroups([])
+            os.setgid(account.pw_gid)
+            os.setuid(account.pw_uid)
+            os.environ.pop("JUPYTERHUB_API_TOKEN", None)
+            code = gpupool.hub.cli.main(argv)
+        except BaseException as error:  # noqa: BLE001 - the parent reads what happened
+            print(repr(error), file=sys.stderr)
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as out:
+        text = out.read()
+    return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]), text

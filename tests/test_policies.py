@@ -195,3 +195,36 @@ def test_any_bytes_either_load_or_give_located_problems(tmp_path_factory, data):
     except PolicyError as error:
         assert error.problems
         assert all(p.file == str(path) and p.line >= 1 and p.column >= 1 for p in error.problems)
+
+
+def test_a_lead_is_a_member_by_the_policy_or_by_the_hub_group(tmp_path):
+    """Issue 33 item 5: a person `gpupool team add-member` put in the team's hub group can be named a lead; the
+    files cannot see the groups, so the rule is applied where both are known, and a lead in neither is no lead."""
+    (tmp_path / "policy.yaml").write_text(
+        "teams:\n  vision: {members: [alice], leads: [alice, bob], reviewers: [bob]}\n  nlp: {leads: [bob]}\n")
+    policy = load_policy_files([tmp_path / "policy.yaml"])
+    assert policy.leads_of("alice") == ["vision"]
+    assert policy.leads_of("bob") == [], "named a lead, in no team: no lead's rights"
+    assert policy.leads_of("bob", ["vision"]) == ["vision"]
+    assert policy.leads_of("bob", ["vision", "nlp"]) == ["vision", "nlp"]
+    assert policy.leads_of("carol", ["vision"]) == []
+
+
+def test_a_refused_hot_reload_says_why_until_the_files_are_fixed(tmp_path):
+    from gpupool.policies.reload import current_policy, refused_change
+
+    directory = tmp_path / "policies"
+    shutil.copytree(DEFAULT_POLICY_DIR, directory, ignore=shutil.ignore_patterns("examples", "*.py", "__pycache__"))
+    teams = directory / "teams.yaml"
+    before = current_policy(directory)
+    assert refused_change(directory) is None
+    valid = teams.read_text()
+    teams.write_text(valid.replace("priority: 100", "priority: -100", 1))
+    assert current_policy(directory) is before, "an invalid edit never replaces the valid policy"
+    refused = refused_change(directory)
+    assert refused is not None and "negative number" in str(refused)
+    (problem,) = refused.problems
+    assert problem.file == str(teams) and valid.splitlines()[problem.line - 1].strip().startswith("priority: 100")
+    teams.write_text(valid.replace("priority: 100", "priority: 90", 1))
+    assert current_policy(directory).teams["vision"].priority == 90
+    assert refused_change(directory) is None

@@ -167,7 +167,7 @@ class AccountingHandler(HubOAuthenticated, web.RequestHandler):
         user = self.current_user
         policy = self.policy
         teams = frozenset(policy.teams_of(user["name"], user.get("groups") or []))
-        leads = frozenset(t for t, team in policy.teams.items() if user["name"] in team.leads)
+        leads = frozenset(policy.leads_of(user["name"], user.get("groups") or []))
         return Viewer(user["name"], bool(user.get("admin")), teams, leads)
 
     def period_argument(self) -> str:
