@@ -46,7 +46,7 @@ def test_open_see_close_write_one_run_under_the_hubs_key(tmp_path, monkeypatch):
     clock = [datetime(2026, 11, 3, 10, 0, 5, tzinfo=UTC)]
     monkeypatch.setattr(periods, "utcnow", lambda: clock[0])
     spawner = spawner_with(tmp_path, started)
-    assert spawner.orm_spawner.user_options == {"profile": "h200-quarter", "team": "vision"}
+    assert spawner.orm_spawner.user_options == {"profile": "h200-quarter", "team": "vision", "image": "base"}
 
     spawner.open_usage(timedelta(seconds=3))
     assert spawner.usage_run == run_key("alice", "", started) == "alice/@2026-11-03T10:00:00.250000Z"
