@@ -9,10 +9,12 @@ import sys
 
 from traitlets.config import Application
 
+from gpupool.hub.accounting.jobs_service import RUN_AS_ENV
 from gpupool.hub.app import GPUPoolHub
 from gpupool.hub.config import Settings, apply_config
 from gpupool.policies import load_policy
 from gpupool.spawner.local import UNSAFE_SINGLE_USER, default_server_env, root_servers_problem
+from gpupool.spawner.wiring import JOBS_SERVICE
 
 c = get_config()  # noqa: F821 - provided by JupyterHub
 settings = Settings.from_env()
@@ -44,3 +46,7 @@ if os.getuid() == 0:
         raise SystemExit(f"gpupool up: refusing to start: {problem}. Users' servers would run as root, could read "
                          f"the hub's state (its admin-scoped token among it) and become admin. On a machine with "
                          f"one user, say so with `gpupool up --unsafe-single-user`.")
+    else:  # jobs run as their users too: the jobs service checks a job's working folder as its user's account
+        for service in c.JupyterHub.services:
+            if service["name"] == JOBS_SERVICE:
+                service["environment"][RUN_AS_ENV] = "user"

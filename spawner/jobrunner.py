@@ -175,7 +175,12 @@ def launch(spawner: LocalGPUSpawner, started: Launch, state_dir: str) -> tuple[s
     def preexec():
         hear_signals()
         become()
-        os.chdir(workdir)  # as the user: a folder they cannot enter fails the run
+        try:
+            os.chdir(workdir)  # as the user: a folder they cannot enter fails the run
+        except OSError as error:  # the log says why; Popen says only "Exception occurred in preexec_fn"
+            os.write(1, f"--- gpupool: the run cannot enter its working folder {workdir}: {error.strerror} ---\n"
+                        .encode())
+            raise
 
     log = job_log(state_dir, job.id)
     log.parent.mkdir(parents=True, mode=0o700, exist_ok=True)

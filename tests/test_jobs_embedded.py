@@ -369,10 +369,18 @@ def test_failures_cancels_a_hub_restart_and_other_teams(hub, tmp_path):
                 ({"profile": "cpu", "command": ["x"], "env": {"PATH": "/tmp"}}, 400, "PATH is set by the platform"),
                 ({"profile": "cpu", "command": ["x"], "priority": "high"}, 403, "may not run high-priority jobs"),
                 ({"profile": "cpu", "command": []}, 400, "command")]
+    # A working folder its runs could not enter: refused at once, named (not three failed runs later).
+    (tmp_path / "a-file").write_text("")
+    for folder, why in ((tmp_path / "gone", "No such file or directory"), (tmp_path / "a-file", "Not a directory")):
+        refusals.append(({"profile": "cpu", "command": ["x"], "workdir": str(folder)}, 400,
+                         f"working folder '{folder}' cannot be entered by the account that runs the platform ({why})"))
     for body, status, words in refusals:
         reply = bob.call("POST", "api/jobs", json=body)
         assert (reply.status_code, words in reply.json()["message"]) == (status, True), reply.text
     assert bob.call("POST", "api/jobs", data="{not json").status_code == 400
+    refused = bob.cli("submit", "--profile", "cpu", "--workdir", "gone", "--", "true", cwd=tmp_path)
+    assert refused.returncode != 0 and f"working folder '{tmp_path / 'gone'}' cannot be entered" in refused.stderr, (
+        refused.stdout, refused.stderr)
     assert bob.call("GET", "api/jobs").json() == {"jobs": []}
 
     # The hub crashes while one job runs and another waits: neither is lost.
@@ -442,6 +450,14 @@ def test_a_job_runs_as_its_user_with_a_servers_environment_and_a_private_checkpo
         shared = checkpoints.parent.parent
         assert (shared.stat().st_uid, shared.stat().st_mode & 0o777) == (0, 0o711)  # nobody plants a folder there
         assert "Permission denied" in log  # the hub's state folder is not the job's to read
+        # A folder the job's account cannot enter is refused at submit, named; its team's folder (through the team
+        # group, which the account may not have yet) is not.
+        refused = jobs.call("POST", "api/jobs", json={"profile": "cpu", "command": ["true"], "workdir": str(hub.state)})
+        assert refused.status_code == 400 and (f"working folder '{hub.state}' cannot be entered by your account "
+                                               "gp-jobuser (Permission denied)") in refused.json()["message"], refused.text
+        team = jobs.submit(profile="cpu", command=["sh", "-c", "id -un; pwd"], workdir=str(hub.team_root / "vision"))
+        ran = jobs.wait(team["id"], lambda j: j["state"] in ENDED)
+        assert ran["state"] == "succeeded" and f"\ngp-jobuser\n{hub.team_root / 'vision'}" in ran["log_tail"], ran
     finally:
         hub.kill()
         hub.kill_leftovers()  # no job, server or service outlives the test

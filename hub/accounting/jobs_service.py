@@ -10,9 +10,13 @@ hub's token page. The API is described at `openapi.json`.
 
 from __future__ import annotations
 
+import grp
 import json
 import logging
 import os
+import pwd
+import stat
+import subprocess
 from datetime import datetime
 from decimal import Decimal
 from urllib.parse import urlparse
@@ -34,6 +38,7 @@ from gpupool.hub.accounting.service import (
     MAX_BODY_BYTES, AccountingHandler, HealthHandler, NotFoundHandler, page_templates,
 )
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults
+from gpupool.policies.identity import TEAM_PREFIX, unix_group, unix_user
 from gpupool.spawner.images import default_images_dir, image_prefix
 
 log = logging.getLogger("gpupool.jobs")
@@ -45,6 +50,58 @@ LOG_CHUNK = 256 * 1024
 MODE_ENV = "GPUPOOL_JOBS_MODE"
 #: Lines of the log's tail on the job's page and in `GET /api/jobs/ID`.
 TAIL_LINES = 40
+#: `user` when the hub runs each job as its user's own Unix account (`gp-NAME`, root mode), else `self` (jobs run
+#: as the account running the hub, as this service does): whose identity a job's working folder is checked with.
+RUN_AS_ENV = "GPUPOOL_JOBS_RUN_AS"
+#: Stands in for the uid of an account not made yet (a user who never started anything): it owns no folder.
+NOBODY = 65534
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return ""
+
+
+def workdir_problem(workdir: str, user: str, teams: list[str], as_users: bool) -> str | None:
+    """Why a run of `user`'s could not start in `workdir`, or None: tried as the run would, by entering it with
+    its identity (its Unix account and its teams' groups in root mode, this process's otherwise), so that modes,
+    groups and ACLs all count as they will at the run's start."""
+    ids: dict = {}
+    who = "the account that runs the platform"
+    if as_users:
+        account = unix_user(user)
+        try:
+            entry = pwd.getpwnam(account)
+            # its groups at the run's start: the ones an admin gave it, and exactly its teams' (added below)
+            groups = {g for g in os.getgrouplist(account, entry.pw_gid)
+                      if not _group_name(g).startswith(TEAM_PREFIX)}
+            uid, gid = entry.pw_uid, entry.pw_gid
+            who = f"your account {account}"
+        except KeyError:  # made at its first server or job, in its teams' groups
+            uid, gid, groups = NOBODY, NOBODY, set()
+            who = f"your account {account} (made at your first start) in your teams' groups"
+        for team in teams:
+            try:
+                groups.add(grp.getgrnam(unix_group(team)).gr_gid)
+            except KeyError:
+                pass
+        ids = {"user": uid, "group": gid, "extra_groups": sorted(groups)}
+    try:  # the system's shell: the hub's environment may be closed to users
+        entered = subprocess.run(["/bin/sh", "-c", 'cd -- "$1"', "sh", workdir], capture_output=True, cwd="/",
+                                 env={"PATH": "/usr/bin:/bin"}, timeout=30, check=False, **ids)
+    except (OSError, ValueError, subprocess.SubprocessError) as error:
+        return f"working folder {workdir!r} could not be checked: {error}"
+    if entered.returncode == 0:
+        return None
+    try:  # why, as this process sees it (the shell does not say)
+        why = "Not a directory" if not stat.S_ISDIR(os.stat(workdir).st_mode) else "Permission denied"
+    except OSError as error:
+        why = error.strerror
+    return (f"working folder {workdir!r} cannot be entered by {who} ({why}): give a folder you can enter as "
+            f"`workdir` (`--workdir` of `gpupool jobs submit`; default: your home)")
+
 
 
 def _when(moment: datetime | None) -> str | None:
@@ -140,6 +197,11 @@ class ListHandler(JobsHandler):
         except JobRefused as refused:
             raise web.HTTPError(refused.status, str(refused)) from None
         kubernetes = self.settings["kubernetes"]
+        if submission.workdir is not None and not kubernetes:  # here, not three failed runs later
+            teams = policy.teams_of(viewer.name, self.current_user.get("groups") or [])
+            problem = workdir_problem(submission.workdir, viewer.name, teams, self.settings["run_as"] == "user")
+            if problem:
+                raise web.HTTPError(400, problem)
         if resolved.image is not None and not kubernetes:  # its runs start from the image's environment here
             environment = policy.profiles[resolved.profile].images[resolved.image].environment
             if image_prefix(self.settings["images_dir"], environment, "") is None:
@@ -307,7 +369,7 @@ class OpenAPIHandler(web.RequestHandler):
 
 def make_app(ledger: Ledger, policy_dir: str, prefix: str, state_dir: str, team_root: str, base_url: str = "/",
              nav_services: tuple[str, ...] = ("jobs",), images_dir: str | None = None,
-             kubernetes: bool = False) -> web.Application:
+             kubernetes: bool = False, run_as: str = "self") -> web.Application:
     job = r"([a-f0-9]{12})"
     return web.Application(
         [
@@ -324,7 +386,7 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str, state_dir: str, team_
         ],
         ledger=ledger, store=JobStore(ledger.engine), policy_dir=policy_dir, state_dir=state_dir,
         team_root=team_root, images_dir=images_dir or default_images_dir(), cookie_secret=os.urandom(32),
-        prefix=prefix, base_url=base_url, kubernetes=kubernetes,
+        prefix=prefix, base_url=base_url, kubernetes=kubernetes, run_as=run_as,
         nav_services=tuple(nav_services), templates=page_templates(), max_body_size=MAX_BODY_BYTES, home_label="Your jobs",
         default_handler_class=NotFoundHandler,
     )
@@ -343,7 +405,7 @@ def main(argv=None) -> None:
     nav = tuple(n for n in _env("GPUPOOL_NAV_SERVICES", "jobs").split(",") if n)
     app = make_app(ledger, _env("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR)), prefix, state_dir,
                    _env("GPUPOOL_TEAM_ROOT", str(defaults.team_root(state_dir))), _env("JUPYTERHUB_BASE_URL", "/"),
-                   nav, kubernetes=_env(MODE_ENV, "embedded") == "kubernetes")
+                   nav, kubernetes=_env(MODE_ENV, "embedded") == "kubernetes", run_as=_env(RUN_AS_ENV, "self"))
     url = urlparse(_env("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:8005"))
     app.listen(url.port or 80, url.hostname or "127.0.0.1")
     log.info("gpupool-jobs at %s%s", url.geturl(), prefix)
