@@ -271,8 +271,14 @@ class GPUPoolSpawnerMixin(UsageLedgerMixin, LoggingConfigurable):
         availability = availability or Availability()
         profiles = spawner.available_profiles()
         if not profiles:
+            owner = getattr(spawner, "user", None)
+            name = html.escape(getattr(owner, "name", None) or "USER")
+            if getattr(owner, "admin", False) is True:  # an admin does it themself: say how, not "ask an administrator"
+                return ("<p>You are not in any team yet, so there is no profile to start. You are an administrator: "
+                        f"put yourself in a team with <code>gpupool team add-member TEAM {name}</code> on the hub's "
+                        "machine, or on the Admin page (Groups).</p>")
             return ("<p>You are not in any team yet, so there is no profile to start. Ask an administrator "
-                    "to add you to a team (<code>gpupool team add-member TEAM USER</code>).</p>")
+                    f"to add you to a team (<code>gpupool team add-member TEAM {name}</code>).</p>")
         default_slug = next((s for s, p in profiles.items() if p.default), next(iter(profiles)))
         policy = spawner.policy
         rows = []

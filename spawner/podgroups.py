@@ -206,7 +206,8 @@ def _fixed(text: str) -> Callable[[Wanted, re.Match[str]], str]:
 REASONS: tuple[Reason, ...] = (
     Reason(re.compile(r"queue\s+\S+\s+(?:is\s+)?(?:closed|not open)|queue\s+\S+\s+(?:is\s+)?(?:not found|does not exist)",
                       re.IGNORECASE),
-           "any", _fixed('queue "{queue}" is closed or missing; ask an administrator')),
+           "any", _fixed('queue "{queue}" is closed or missing; ask an administrator (for an administrator: '
+                         '`kubectl get queue {queue}` shows it; `helm upgrade` with the policies makes it again)')),
     Reason(re.compile(r"queue resource quota insufficient|\bNotInqueueable\b", re.IGNORECASE),
            "enqueue", _fixed('team queue "{queue}" is at its capability')),
     Reason(re.compile(r"Insufficient\s+(?P<resource>[A-Za-z0-9][-A-Za-z0-9_./]*[A-Za-z0-9])"), "any", _no_free_gpu),

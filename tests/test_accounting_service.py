@@ -111,6 +111,33 @@ def test_a_lead_sees_the_members_and_the_bill(hub):
     assert csv.headers["Content-Type"].startswith("text/csv") and "alice" in csv.text
 
 
+def test_the_bill_as_csv_is_linked_from_the_pages_and_downloads_under_its_name(hub):
+    """The lead on their team's and usage pages, the admin on All teams: each page links the CSV bill, which
+    comes as a file named for its team and month, the same bill as the JSON; a member sees no bill link."""
+    period = period_of(utcnow())
+    name = f'attachment; filename="gpupool-bill-vision-{period}.csv"'
+    lena, admin = token_of(hub, "lena"), token_of(hub, "admin")
+    pages = [(lena, "teams/vision", 'id="bill-csv"'), (lena, "", 'data-bill-csv="vision"'), (admin, "admin", None),
+             (lena, f"api/teams/vision/bill?format=html&period={period}", 'class="download"')]
+    for token, path, marker in pages:
+        url = f"{hub.url}/services/accounting/{path}"
+        page = requests.get(url, headers={"Authorization": f"token {token}", **BROWSER}, timeout=30)
+        assert page.status_code == 200 and (marker is None or marker in page.text), (path, page.text[-3000:])
+        links = [html.unescape(h) for h in re.findall(r'href="([^"]*format=csv[^"]*)"', page.text)]
+        link = next((h for h in links if "teams/vision/" in h or h.startswith("?")), None)
+        assert link is not None, (path, links)
+        csv = requests.get(requests.compat.urljoin(url, link), headers={"Authorization": f"token {token}"}, timeout=30)
+        assert csv.status_code == 200 and csv.headers["Content-Type"].startswith("text/csv"), (path, link, csv.text)
+        assert csv.headers["Content-Disposition"] == name, (path, csv.headers)
+        assert csv.text.splitlines()[-1].startswith(f"total,vision,{period},") and ",2.40,EUR" in csv.text
+    # The admin's page links every team's.
+    page = requests.get(f"{hub.url}/services/accounting/admin", headers={"Authorization": f"token {admin}"}, timeout=30)
+    assert f"api/teams/nlp/bill?format=csv&amp;period={period}" in page.text
+    # A member who is not a lead: no bill on their pages (the bill is for leads and admins).
+    for path in ("", "teams/vision"):
+        assert "format=csv" not in get(hub, "alice", path, headers=BROWSER).text
+
+
 #: Every route that names a team, as a member of vision (not its lead) asks for it.
 TEAM_ROUTES = ["api/teams/{}", "api/teams/{}/bill", "api/teams/{}/report", "teams/{}"]
 
@@ -393,6 +420,15 @@ def test_a_user_in_no_team_is_told_how_to_join_one(hub):
     assert hub.api("POST", "/groups/vision/users", json={"users": ["tom"]}).status_code == 200
     home = tom.get(f"{hub.url}/hub/home", headers=BROWSER, timeout=30).text
     assert 'id="start"' in home and "gpupool-no-team" not in home
+    # The hub's admin in no team is not sent to "ask an admin": told what an admin does, on each page.
+    usage = " ".join(html.unescape(get(hub, "admin", "", headers=BROWSER).text).split())
+    assert "You are an administrator: put yourself in a team with" in usage and "add-member TEAM admin" in usage
+    assert "the teams: nlp, vision." in usage and "or an admin to add you" not in usage, usage[-3000:]
+    admin = logged_in(hub, "admin")
+    for page in ("home", "spawn"):
+        text = admin.get(f"{hub.url}/hub/{page}", headers=BROWSER, timeout=30).text
+        assert 'id="gpupool-admin-join"' in text and "gpupool team add-member TEAM admin" in text, text[-3000:]
+        assert "or an administrator to add you" not in text and 'hub/admin"' in text, page
 
 
 def logged_in(hub: Hub, user: str) -> requests.Session:

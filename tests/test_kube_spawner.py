@@ -493,7 +493,9 @@ CPU = podgroups.Wanted("CPU only", "students")
      "Inqueue", "the nodes with room carry taints this profile does not tolerate"),
     (["FailedScheduling: 0/4 nodes are unavailable: 4 node(s) didn't match Pod's node affinity/selector."], MIG,
      "Inqueue", "no node with a H200 can take it"),
-    (["Unschedulable: queue vision is closed"], QUARTER, "Pending", 'queue "vision" is closed or missing; ask an administrator'),
+    (["Unschedulable: queue vision is closed"], QUARTER, "Pending", 'queue "vision" is closed or missing; ask an '
+     'administrator (for an administrator: `kubectl get queue vision` shows it; `helm upgrade` with the policies '
+     'makes it again)'),
     (["FilteringFailed: 1 nodes ResourceQuotaNotFit(node-a)"], QUARTER, "Inqueue", "the namespace's GPU quota is used up"),
     (["FailedScheduling: 0/3 nodes are unavailable: 3 node(s) were unschedulable."], CPU, "Inqueue",
      "nodes are cordoned or not ready"),

@@ -33,7 +33,13 @@ def test_form_lists_only_the_profiles_of_the_users_teams():
 
 def test_form_for_a_user_in_no_team_says_how_to_join():
     spawner = spawner_for("zoe", [])
-    assert "gpupool team add-member" in spawner._render_form(spawner)
+    form = spawner._render_form(spawner)
+    assert "gpupool team add-member TEAM zoe" in form and "Ask an administrator" in form
+    # An admin is not sent to ask an administrator: told what an admin does.
+    spawner.user.admin = True
+    form = spawner._render_form(spawner)
+    assert "You are an administrator" in form and "gpupool team add-member TEAM zoe" in form, form
+    assert "Ask an administrator" not in form
 
 
 def test_form_data_becomes_options_and_is_checked():

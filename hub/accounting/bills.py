@@ -18,6 +18,7 @@ import csv
 import html
 import io
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -234,13 +235,17 @@ tfoot td { font-weight: 700; border-top: 2px solid #111; }
   table { page-break-inside: auto; }
   tr { page-break-inside: avoid; }
   thead { display: table-header-group; }
+  .download { display: none; }
 }
 """
 
 
-def render_html(bill: Bill) -> str:
-    """A self-contained printable page; every string from the policy or the ledger is escaped."""
+def render_html(bill: Bill, csv_href: str | None = None) -> str:
+    """A self-contained printable page; every string from the policy or the ledger is escaped. `csv_href`: where
+    the same bill is as CSV (the accounting service's page links it; a page printed by the CLI has no such place)."""
     e = html.escape
+    download = (f'<p class="download"><a href="{e(csv_href)}" download="{e(csv_filename(bill.team, bill.period))}">'
+                f"Download as CSV</a> (for a spreadsheet)</p>\n" if csv_href else "")
     money = f" ({e(bill.currency)})"
     status = (f'<p class="provisional">Provisional: the period runs until {e(_when(bill.end))}; '
               f"usage counted up to {e(_when(bill.as_of))}.</p>" if bill.provisional else "")
@@ -267,7 +272,7 @@ def render_html(bill: Bill) -> str:
 <h1>{e(title)}</h1>
 <p class="meta">Team <code>{e(bill.team)}</code> · {e(_when(bill.start))} to {e(_when(bill.end))} ·
 prices per GPU-hour in {e(bill.currency)}</p>
-{status}
+{download}{status}
 <h2>Lines</h2>
 <table>
 <thead><tr><th>GPU model</th><th>Profile</th><th class=n>GPU-hours</th><th class=n>Unit price{money}</th>
@@ -291,6 +296,12 @@ of the lines. Per-user amounts are rounded on their own.</p>
 
 def _when(moment: datetime) -> str:
     return moment.strftime("%Y-%m-%d %H:%M UTC")
+
+
+def csv_filename(team: str, period: str) -> str:
+    """The name a bill's CSV is saved under: `gpupool-bill-TEAM-YYYY-MM.csv`. Team names are DNS labels (the
+    policies' rule), safe in a file name and a header; anything else would be replaced."""
+    return "gpupool-bill-" + re.sub(r"[^A-Za-z0-9_.-]", "_", f"{team}-{period}") + ".csv"
 
 
 def render_bill(bill: Bill, fmt: str) -> str:

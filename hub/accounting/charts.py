@@ -92,6 +92,12 @@ def bar_chart(title: str, bars: list[tuple[str, float]], unit: str, *, limit: fl
         return _svg(figure, title)
 
 
+def idle_chart(title: str, teams: list[tuple[str, float]]) -> str:
+    """Each team's share of its GPU-hours held by idle servers and jobs, in percent. Its 100 % line is the
+    bound of that share (every GPU-hour of the team idle), not a budget: it is labelled so."""
+    return bar_chart(title, teams, "%", limit=100.0, limit_label="all GPU-hours idle:")
+
+
 def _day_axis(axes, days: list[date]) -> None:
     """One tick per day, labelled with its day of the month; the month and year name the axis."""
     axes.set_xticks(range(len(days)), [str(d.day) for d in days])

@@ -38,7 +38,7 @@ from traitlets.config import Application
 from gpupool.hub import __version__
 from gpupool.hub.accounting import charts, periods
 from gpupool.hub.accounting.admission import format_hours, format_share, reached_alerts
-from gpupool.hub.accounting.bills import FORMATS, bill_for, render_bill
+from gpupool.hub.accounting.bills import FORMATS, bill_for, csv_filename, render_bill, render_html
 from gpupool.hub.accounting.culls import idle_figures
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.reports import (
@@ -257,10 +257,23 @@ class BillHandler(AccountingHandler):
         fmt = self.get_argument("format", "json")
         if fmt not in FORMATS:
             raise web.HTTPError(400, f"unknown format {fmt!r} (accepted: {', '.join(FORMATS)})")
-        bill = bill_for(self.ledger, self.policy, team, self.period_argument())
+        period = self.period_argument()
+        bill = bill_for(self.ledger, self.policy, team, period)
         self.set_header("Content-Type", {"json": "application/json", "csv": "text/csv",
                                          "html": "text/html"}[fmt] + "; charset=utf-8")
+        if fmt == "csv":  # saved as a file, named for what it is, not "bill" or "bill.csv"
+            self.set_header("Content-Disposition", f'attachment; filename="{csv_filename(team, period)}"')
+        elif fmt == "html":
+            self.finish(render_html(bill, csv_href=bill_links(team, period, "")["csv"]))
+            return
         self.finish(render_bill(bill, fmt))
+
+
+def bill_links(team: str, period: str, to_api: str) -> dict[str, str]:
+    """The team's bill of `period` as the printable page (`html`) and as CSV (`csv`), from a page whose way to
+    the service's `api/` is `to_api` ("" from the bill itself, "../api/" from a team page, "api/" from the others)."""
+    base = f"{to_api}teams/{team}/bill?" if to_api else "?"
+    return {fmt: base + urlencode({"format": fmt, "period": period}) for fmt in ("html", "csv")}
 
 
 class TeamsHandler(AccountingHandler):
@@ -417,13 +430,13 @@ class AdminPageHandler(AccountingHandler):
                           "used_percent": percent(used, Fraction(t["budget_gpu_hours"])) if t["budget_gpu_hours"]
                           else None, "cost": cost,
                           "href": f"teams/{t['team']}?period={period}",
-                          "bill": f"api/teams/{t['team']}/bill?format=html&period={period}"})
+                          "bill": bill_links(t["team"], period, "api/")})
         alerts = [a.message for t in policy.teams for a in reached_alerts(policy, t, usage)] + problems
         idle = sorted(report["idle"].items())
         self.render_page(
             "admin.html", f"All teams, {name}", "admin", period_name=name, alerts=alerts, idle=idle,
-            idle_chart=Markup(charts.bar_chart(f"Teams: share of their GPU-hours held by idle servers and jobs, {name}", [
-                (t, float(Fraction(i["idle_share"])) * 100) for t, i in idle], "%", limit=100.0)) if idle else "",
+            idle_chart=Markup(charts.idle_chart(f"Teams: share of their GPU-hours held by idle servers and jobs, {name}", [
+                (t, float(Fraction(i["idle_share"])) * 100) for t, i in idle])) if idle else "",
             utilisation_charts=utilisation_charts,
             # Budgets differ by orders of magnitude between teams: one scale for all is the share used.
             teams_chart=Markup(charts.bar_chart(
@@ -546,7 +559,7 @@ class TeamPageHandler(AccountingHandler):
             members_chart=members_chart, queue=queue_text(report["queue_waits"]), idle=idle_text(report["idle"]),
             top=report.get("top_consumers"),
             json_href=f"../api/teams/{team}/report?" + urlencode({"period": period}),
-            bill_href=f"../api/teams/{team}/bill?" + urlencode({"format": "html", "period": period}) if lead else None)
+            bill=bill_links(team, period, "../api/") if lead else None)
 
 
 class TeamDatasetsHandler(AccountingHandler):
@@ -677,6 +690,7 @@ class PageHandler(AccountingHandler):
                 "on_exhausted": summary["on_exhausted"], "resets": summary["resets"],
                 "mine": format_hours(own.get("gpu_hours", Fraction(0))),
                 "my_cost": money(own.get("cost", Decimal(0)), currency), "href": f"teams/{team}",
+                "bill": bill_links(team, period, "api/") if viewer.may_see_members(team) else None,
                 "chart": Markup(charts.bar_chart(
                     f"Team {team}: GPU-hours in {name}", [(team, float(used)), ("you", float(own.get("gpu_hours", 0)))],
                     "GPU-h", limit=float(budget) if budget else None)),
@@ -688,7 +702,8 @@ class PageHandler(AccountingHandler):
             "usage.html", f"Your GPU usage, {name}", "usage", period_name=name, alerts=alerts, teams=teams,
             my_hours=format_hours(sum((u["gpu_hours"] for u in mine.values()), Fraction(0))),
             my_cost=money(sum((u["cost"] for u in mine.values()), Decimal(0)), currency), running=running,
-            leads=[(t, sorted(team.leads)) for t, team in sorted(policy.teams.items()) if team.leads])
+            leads=[(t, sorted(team.leads)) for t, team in sorted(policy.teams.items()) if team.leads],
+            team_names=sorted(policy.teams))
 
 
 PERIOD = {"name": "period", "in": "query", "schema": {"type": "string", "pattern": "^\\d{4}-(0[1-9]|1[0-2])$"}}

@@ -36,3 +36,11 @@ def test_utilisation_is_on_a_scale_that_fits_the_busiest_day(ratios, top):
 def test_utilisation_axis_is_in_percent():
     found = texts(charts.utilisation_chart("H200", [("2026-11-01", 0.0015), ("2026-11-02", 0.004)]))
     assert "1.0%" in found and "0.0%" in found and "allocated / capacity" in found
+
+
+def test_the_idle_charts_100_percent_line_says_what_it_is_not_a_budget():
+    # On "All teams": each team's share of its GPU-hours held idle; 100 % is every GPU-hour idle, not a budget.
+    found = texts(charts.idle_chart("Teams: share of their GPU-hours held by idle servers and jobs",
+                                    [("vision", 12.5), ("nlp", 0.0)]))
+    assert {"vision", "nlp", "12.5 %", "all GPU-hours idle: 100 %"} <= set(found), found
+    assert not any("budget" in text for text in found), found
