@@ -19,7 +19,7 @@ from nativeauthenticator import NativeAuthenticator
 from nativeauthenticator import handlers as native_handlers
 from nativeauthenticator.orm import UserInfo
 from tornado import web
-from traitlets import Unicode, default
+from traitlets import Bool, Unicode, default
 
 from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError
 from gpupool.policies.identity import new_username_problem, normalize_username, username_problem
@@ -53,11 +53,29 @@ class LoginHandler(native_handlers.LoginHandler):
         return getattr(super(), "statsd", None) or _NoStatsd()
 
 
+#: Where people are told why a hub run by an ordinary user has no sign-up and makes no other user.
+WORKSTATION_RULE = ("this hub is a personal workstation: gpupool runs as an ordinary Unix user, and so does every "
+                    "server, beside the hub's state, so only its owner's account exists and logs in. A hub shared by "
+                    "several people runs as root (README: Running as root or not)")
+
+
 class SignUpHandler(native_handlers.SignUpHandler):
-    """The sign-up page, saying why a refused name is refused instead of NativeAuthenticator's guesses."""
+    """The sign-up page, saying why a refused name is refused instead of NativeAuthenticator's guesses; none on a
+    personal workstation."""
+
+    async def prepare(self):
+        await super().prepare()
+        if self.authenticator.personal_workstation:
+            raise web.HTTPError(404, "%s", f"There is no sign-up: {WORKSTATION_RULE}.")
 
     def get_result_message(self, user, assume_user_is_human, username_already_taken, confirmation_matches,
                            user_is_admin):
+        if assume_user_is_human and username_already_taken:
+            # NativeAuthenticator's own words do not say that the name is compared once normalised (ＡＶＡ is ava)
+            typed = self.get_body_argument("username", "", strip=False)
+            name = self.authenticator.normalize_username(typed)
+            spelled = f" ({typed!r} is {name!r} once normalised: case folded, Unicode NFKC)" if typed != name else ""
+            return "alert-danger", f"Sign-up refused: the user name {name!r} is already in use{spelled}; choose another."
         if user is None and assume_user_is_human and not username_already_taken and confirmation_matches:
             problem = self.authenticator.new_username_problem(self.get_body_argument("username", "", strip=False))
             if problem:
@@ -83,15 +101,11 @@ class ToggleAuthorizationHandler(native_handlers.ToggleAuthorizationHandler):
 
 
 def _refuse_new_names(handler, names) -> None:
-    """A 400 naming the first name in `names` that cannot be a new user."""
+    """A 400 naming the first name in `names` that cannot be a new user; a 403 for any on a personal workstation."""
+    if names and handler.authenticator.personal_workstation:
+        raise web.HTTPError(403, "%s", f"no user {names[0]!r} can be made: {WORKSTATION_RULE}")
     for name in names:
         problem = handler.authenticator.new_username_problem(name, exact=True)
-        if assume_user_is_human and username_already_taken:
-            # NativeAuthenticator's own words do not say that the name is compared once normalised (ＡＶＡ is ava)
-            typed = self.get_body_argument("username", "", strip=False)
-            name = self.authenticator.normalize_username(typed)
-            spelled = f" ({typed!r} is {name!r} once normalised: case folded, Unicode NFKC)" if typed != name else ""
-            return "alert-danger", f"Sign-up refused: the user name {name!r} is already in use{spelled}; choose another."
         if problem:
             raise web.HTTPError(400, "%s", f"{problem}")
 
@@ -178,8 +192,21 @@ class GPUPoolNativeAuthenticator(NativeAuthenticator):
     def _default_policy_dir(self):
         return os.environ.get("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR))
 
+    personal_workstation = Bool(
+        False,
+        help="""A personal workstation: only the first admin's account exists and logs in. No sign-up page, no
+        approvals, and no user can be made (REST API, admin page). `gpupool up` sets it when run by an ordinary
+        Unix user (every server then runs as that user, beside the hub's state), unless told
+        `--unsafe-shared-as-user`.
+
+            c.GPUPoolNativeAuthenticator.personal_workstation = True
+        """,
+    ).tag(config=True)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if self.personal_workstation:
+            self.enable_signup = False  # also takes the "Sign up" link off the login page
         self.ensure_first_admin()
         self.ensure_approved_users()
 
@@ -191,6 +218,9 @@ class GPUPoolNativeAuthenticator(NativeAuthenticator):
         api = [(route, IDENTITY_API_HANDLERS[handler])
                for route, handler in users_api.default_handlers + groups_api.default_handlers
                if handler in IDENTITY_API_HANDLERS]
+        if self.personal_workstation:  # no sign-ups to approve, discard or confirm (the sign-up page says why)
+            ours = [(route, handler) for route, handler in ours
+                    if not route.startswith(("/authorize", "/discard/", "/confirm/"))]
         return ours + api
 
     # --- the identity rule ------------------------------------------------------------------------------
@@ -202,6 +232,12 @@ class GPUPoolNativeAuthenticator(NativeAuthenticator):
     def validate_username(self, username):
         """The pattern only: a name that passed it at sign-up keeps logging in (new names: below)."""
         return username_problem(username) is None
+
+    def user_exists(self, username):
+        """Whether the name, normalised, is taken: by a sign-up (NativeAuthenticator looks there only) or by a hub
+        user without one (made by an admin or the REST API), whose account a sign-up must never be given."""
+        name = self.normalize_username(username)
+        return super().user_exists(name) or orm.User.find(self.db, name) is not None
 
     def new_username_problem(self, username: str, exact: bool = False) -> str | None:
         """Why `username` cannot be a new user, or None. `exact`: the name must already be normalised (REST)."""
@@ -223,7 +259,7 @@ class GPUPoolNativeAuthenticator(NativeAuthenticator):
         return new_username_problem(name, existing, teams, system)
 
     def create_user(self, username, password, **kwargs):
-        if self.new_username_problem(username):
+        if self.personal_workstation or self.new_username_problem(username):
             return None
         return super().create_user(username, password, **kwargs)
 
@@ -254,9 +290,3 @@ class GPUPoolNativeAuthenticator(NativeAuthenticator):
         if missing:
             self.db.commit()
             self.log.info("Created the hub users of %d approved sign-up(s): %s", len(missing), ", ".join(missing))
-    def user_exists(self, username):
-        """Whether the name, normalised, is taken: by a sign-up (NativeAuthenticator looks there only) or by a hub
-        user without one (made by an admin or the REST API), whose account a sign-up must never be given."""
-        name = self.normalize_username(username)
-        return super().user_exists(name) or orm.User.find(self.db, name) is not None
-

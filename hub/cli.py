@@ -175,6 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="as root without a servers' environment every user can run: run users' servers as root "
                          "anyway (no isolation: any user can read the hub's state and become admin); without "
                          "this flag gpupool refuses to start then")
+    up.add_argument("--unsafe-shared-as-user", action="store_true",
+                    help="run by an ordinary Unix user, gpupool is a personal workstation: the admin alone logs in. "
+                         "With this flag it serves several people anyway, with sign-ups (no isolation: every server "
+                         "runs as that one Unix user, beside the hub's state; any user can read its secrets and "
+                         "become admin). A hub shared by several people runs as root")
     up.set_defaults(func=_up)
 
     bill = commands.add_parser("bill", help="a team's bill for one month, from the usage ledger")

@@ -26,6 +26,26 @@ TEMPLATES = Path(__file__).resolve().parent / "templates"
 CLI_SCOPES = ["admin:groups", "admin:users", "list:users", "read:users", "list:groups", "read:groups"]
 
 
+#: Set by `gpupool up --unsafe-shared-as-user`: a hub run by an ordinary Unix user lets several people in anyway.
+UNSAFE_SHARED_AS_USER = "GPUPOOL_UNSAFE_SHARED_AS_USER"
+
+
+def personal_workstation(environ=None) -> bool:
+    """Whether the platform is a personal workstation: run by an ordinary Unix user, without
+    `--unsafe-shared-as-user`. Every server then runs as that user, beside the hub's state (its admin-scoped token,
+    cookie secret, database), so only the admin's account may exist: a second person could take the hub over."""
+    environ = os.environ if environ is None else environ
+    return os.geteuid() != 0 and environ.get(UNSAFE_SHARED_AS_USER) != "1"
+
+
+def shared_as_user_warning(user: str) -> str:
+    """What `gpupool up --unsafe-shared-as-user` says at every start, run by the ordinary Unix user `user`."""
+    return (f"gpupool: WARNING: --unsafe-shared-as-user: a hub shared by several people but run by the ordinary user "
+            f"{user}: EVERY USER'S SERVER RUNS AS {user}, beside the hub's state: any user can read its secrets (the "
+            f"admin-scoped CLI token, the cookie secret, the database), every other user's files and team data, and "
+            f"become admin. A shared hub needs root.")
+
+
 @dataclass(frozen=True)
 class Settings:
     state_dir: Path
@@ -41,6 +61,8 @@ class Settings:
     team_root: str = ""
     #: Run the MLflow service (off: servers get no MLFLOW_* variables).
     mlflow: bool = True
+    #: Only the admin's account exists and logs in (`personal_workstation`).
+    personal: bool = False
     extra_services: list[dict] = field(default_factory=list)
 
     @property
@@ -90,6 +112,7 @@ class Settings:
             mlflow_backend_url=env.get("GPUPOOL_MLFLOW_BACKEND_URL", ""),
             team_root=env.get("GPUPOOL_TEAM_ROOT", ""),
             mlflow=env.get("GPUPOOL_MLFLOW", "1") != "0",
+            personal=personal_workstation(env),
         )
 
     def __post_init__(self):
@@ -99,6 +122,37 @@ class Settings:
             object.__setattr__(self, "mlflow_backend_url", f"sqlite:///{self.state_dir / 'mlflow.sqlite'}")
         if not self.team_root:
             object.__setattr__(self, "team_root", str(defaults.team_root(self.state_dir)))
+
+
+def workstation_problem(db_url: str, settings: Settings) -> str | None:
+    """Why the platform cannot start as a personal workstation (`settings.personal`), or None: the hub's database
+    (`db_url`) or the policies' member lists know someone besides the admin, e.g. after a run with
+    `--unsafe-shared-as-user`. Refused rather than blocked: JupyterHub's blocked users lose their groups."""
+    import sqlalchemy
+
+    others: set[str] = set()
+    path = db_url.removeprefix("sqlite:///") if db_url.startswith("sqlite:///") else None
+    if path is None or Path(path).exists():
+        engine = sqlalchemy.create_engine(db_url)
+        try:
+            with engine.connect() as db:
+                tables = set(sqlalchemy.inspect(db).get_table_names())
+                for table, column in (("users", "name"), ("users_info", "username")):  # hub users, sign-ups
+                    if table in tables:
+                        others |= {n for (n,) in db.execute(sqlalchemy.text(f"SELECT {column} FROM {table}"))}
+        finally:
+            engine.dispose()
+    policy = load_policy(settings.policy_dir)
+    members = {name for team in policy.teams.values() for name in team.members}
+    others = sorted((others | members) - {settings.admin})
+    if not others:
+        return None
+    return (f"a personal workstation has the admin {settings.admin!r} alone, but the hub already knows "
+            f"{', '.join(others)} (from the policies' member lists, or a run with --unsafe-shared-as-user). Run by an "
+            f"ordinary Unix user, every server runs as that user beside the hub's state, so any of them could take "
+            f"the hub over. Share a hub as root (README: Running as root or not); or remove them (from the "
+            f"policies' members; on /hub/admin of a run with --unsafe-shared-as-user); or accept the risk with "
+            f"--unsafe-shared-as-user")
 
 
 def proxy_command() -> list[str]:
@@ -127,7 +181,6 @@ def mlflow_service(settings: Settings) -> dict:
         "url": f"http://127.0.0.1:{settings.mlflow_port}",
         "command": [
             str(mlflow), "server", "--app-name", "gpupool",
-            "--backend-store-uri", settings.mlflow_backend_url,
             "--serve-artifacts", "--artifacts-destination", str(state / "mlflow-artifacts"),
             "--host", "127.0.0.1", "--port", str(settings.mlflow_port),
             "--static-prefix", MLFLOW_PREFIX.rstrip("/"),
@@ -138,6 +191,8 @@ def mlflow_service(settings: Settings) -> dict:
             "--workers", "1",
         ],
         "environment": {
+            # Not on the command line, which every user of the machine can read (`ps`): the URL may hold a password.
+            "MLFLOW_BACKEND_STORE_URI": settings.mlflow_backend_url,
             "GPUPOOL_POLICIES": str(settings.policy_dir), "GPUPOOL_LEDGER_URL": settings.ledger_url,
             # MLflow's job runner (a huey consumer and its workers, most of MLflow's memory) serves only the
             # jobs routes (GenAI evaluation, trace rollups), which the gpupool app refuses: not started.
@@ -328,11 +383,17 @@ def apply_config(c, settings: Settings) -> None:
         c.GPUPoolNativeAuthenticator.policy_dir = str(settings.policy_dir)  # team names are reserved
         c.GPUPoolNativeAuthenticator.open_signup = False
         c.GPUPoolNativeAuthenticator.minimum_password_length = 10
+        c.GPUPoolNativeAuthenticator.personal_workstation = settings.personal
         # NativeAuthenticator only lets in users an admin approved, so every approved user may log in.
         c.Authenticator.allow_all = True
     else:
         c.JupyterHub.authenticator_class = settings.authenticator
     c.Authenticator.admin_users = {settings.admin}
+    if settings.personal:
+        # Whatever the authenticator: the admin alone logs in, not even a user an earlier run knew.
+        c.Authenticator.allow_all = False
+        c.Authenticator.allowed_users = {settings.admin}
+        c.Authenticator.allow_existing_users = False
 
     # Teams are JupyterHub groups, created from policies at start-up with the members policies list.
     c.JupyterHub.load_groups = team_groups(policy)

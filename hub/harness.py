@@ -102,7 +102,8 @@ class Hub:
     """A `gpupool up` process and a REST client for it."""
 
     def __init__(self, tmp: Path, policy_files: dict[str, str], extra_config: str = "", ledger_url: str | None = None,
-                 mlflow_backend_url: str | None = None, mlflow: bool = True, unix_user: str | None = None):
+                 mlflow_backend_url: str | None = None, mlflow: bool = True, unix_user: str | None = None,
+                 up_args: tuple[str, ...] = ()):
         self.token = uuid.uuid4().hex
         self.policies = tmp / "policies"
         self.policies.mkdir(parents=True)
@@ -116,6 +117,7 @@ class Hub:
         self.ledger_url = ledger_url or defaults.ledger_url(self.state)
         self.mlflow_backend_url = mlflow_backend_url
         self.mlflow = mlflow  # tests that do not use MLflow start faster without it
+        self.up_args = up_args  # more of `gpupool up`'s arguments, e.g. ("--unsafe-shared-as-user",)
         #: Run `gpupool up` as this ordinary Unix user (the tests run as root) instead of as the tests' user.
         self.unix_user = unix_user
         self.command = platform_command(unix_user)
@@ -140,7 +142,7 @@ class Hub:
             as_user = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
             env.update(HOME=account.pw_dir, USER=account.pw_name, LOGNAME=account.pw_name)
         self.process = subprocess.Popen(
-            [self.command, "up", "--state-dir", str(self.state), "--port", str(self.port), "--policies", str(self.policies),
+            [self.command, "up", *self.up_args, "--state-dir", str(self.state), "--port", str(self.port), "--policies", str(self.policies),
              "--ledger-url", self.ledger_url, "--team-root", str(self.team_root),
              *(["--mlflow-backend-url", self.mlflow_backend_url] if self.mlflow_backend_url else []),
              *([] if self.mlflow else ["--no-mlflow"])],

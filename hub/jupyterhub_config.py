@@ -5,13 +5,14 @@ are run afterwards with the same `c`, for anything gpupool does not set.
 """
 
 import os
+import pwd
 import sys
 
 from traitlets.config import Application
 
 from gpupool.hub.accounting.jobs_service import RUN_AS_ENV
 from gpupool.hub.app import GPUPoolHub
-from gpupool.hub.config import Settings, apply_config
+from gpupool.hub.config import Settings, apply_config, shared_as_user_warning, workstation_problem
 from gpupool.policies import load_policy
 from gpupool.spawner.local import UNSAFE_SINGLE_USER, default_server_env, root_servers_problem
 from gpupool.spawner.wiring import JOBS_SERVICE
@@ -50,3 +51,11 @@ if os.getuid() == 0:
         for service in c.JupyterHub.services:
             if service["name"] == JOBS_SERVICE:
                 service["environment"][RUN_AS_ENV] = "user"
+elif settings.personal:
+    # Run by an ordinary user, every server runs as that user beside the hub's state: a personal workstation,
+    # where the admin alone exists (gpupool.hub.auth refuses sign-ups and new users).
+    problem = workstation_problem(c.JupyterHub.db_url, settings)
+    if problem:
+        raise SystemExit(f"gpupool up: refusing to start: {problem}")
+else:
+    print(shared_as_user_warning(pwd.getpwuid(os.getuid()).pw_name), file=sys.stderr, flush=True)

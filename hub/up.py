@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pwd
 import secrets
 import select
 import sys
@@ -16,6 +17,7 @@ import bcrypt
 import psutil
 
 from gpupool.hub import lifecycle
+from gpupool.hub.config import UNSAFE_SHARED_AS_USER, personal_workstation
 from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError, defaults, load_policy
 from gpupool.spawner.local import UNSAFE_SINGLE_USER
 
@@ -55,6 +57,11 @@ def up(args: argparse.Namespace) -> int:
     # Whether users' servers can run as their users is checked by jupyterhub_config.py at start, once the extra
     # config files are read too: it refuses to start without this flag when they would run as root.
     unsafe = getattr(args, "unsafe_single_user", False)
+    shared_as_user = getattr(args, "unsafe_shared_as_user", False)
+    if shared_as_user and os.geteuid() == 0:
+        print("gpupool up: --unsafe-shared-as-user is for a hub run by an ordinary Unix user; run as root, the hub is "
+              "shared safely already (each server runs as its own user): leave the flag out", file=sys.stderr)
+        return 2
     state = Path(args.state_dir or defaults.STATE_DIR).resolve()
     state.mkdir(parents=True, exist_ok=True)
     os.chmod(state, 0o700)
@@ -97,8 +104,7 @@ def up(args: argparse.Namespace) -> int:
                   f"{state / 'admin.bcrypt'})")
     else:
         login += " with the admin password set on first start"
-    login += ("\ngpupool: users sign up on the login page; the admin approves them at /hub/authorize and adds them "
-              "to a team with `gpupool team add-member TEAM USER` or on the admin page (groups)")
+    login += who_logs_in(args.admin, shared_as_user)
     env = {
         **os.environ,
         "GPUPOOL_STATE_DIR": str(state),
@@ -112,6 +118,7 @@ def up(args: argparse.Namespace) -> int:
         "GPUPOOL_MLFLOW": "0" if getattr(args, "no_mlflow", False) else "1",
         "GPUPOOL_TEAM_ROOT": str(Path(args.team_root).resolve()) if getattr(args, "team_root", None) else "",
         UNSAFE_SINGLE_USER: "1" if unsafe else "",
+        UNSAFE_SHARED_AS_USER: "1" if shared_as_user else "",
     }
     # JupyterHub with gpupool's share rule in front of its share routes (gpupool.hub.app).
     jupyterhub = Path(sys.executable).parent / "gpupool-hub"
@@ -120,6 +127,19 @@ def up(args: argparse.Namespace) -> int:
     # JupyterHub takes over this process (its PID is the one `gpupool up` was started as, and it keeps the
     # state lock); the services it starts are supervised (gpupool.hub.lifecycle) and die with it.
     os.execve(str(jupyterhub), [str(jupyterhub), "-f", str(CONFIG_FILE)], env)
+
+
+def who_logs_in(admin: str, shared_as_user: bool) -> str:
+    """The start-up banner's line on who logs in: on a personal workstation (an ordinary Unix user without
+    `--unsafe-shared-as-user`) the admin alone, else people who sign up (the hub itself warns at every start
+    when an ordinary user shares it anyway)."""
+    if personal_workstation({UNSAFE_SHARED_AS_USER: "1" if shared_as_user else ""}):
+        return (f"\ngpupool: a personal workstation: the hub and every server run as the Unix user "
+                f"{pwd.getpwuid(os.geteuid()).pw_name}, so {admin!r} alone logs in (no sign-up, no other user); put "
+                f"yourself in a team with `gpupool team add-member TEAM {admin}`. A hub shared by several people runs "
+                f"as root (README: Running as root or not)")
+    return ("\ngpupool: users sign up on the login page; the admin approves them at /hub/authorize and adds them "
+            "to a team with `gpupool team add-member TEAM USER` or on the admin page (groups)")
 
 
 def announce_when_ready(url: str, text: str, lock: int) -> None:

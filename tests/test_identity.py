@@ -90,3 +90,67 @@ def test_spawners_refuse_a_user_named_like_a_team_or_outside_the_pattern():
     assert "team's name" in server_username_problem("vision", ["vision", "nlp"])
     assert server_username_problem("Alice", ["vision"]) is not None
     assert server_username_problem("alice", ["vision"]) is None
+
+
+# --- a personal workstation: the hub of an ordinary Unix user has the admin alone (issue 33 item 2) -----------
+
+POLICY = {
+    "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [hami]}\ninventory:\n"
+                 "  - {model: H200, count: 1}\n",
+    "profiles.yaml": "profiles:\n  cpu: {display_name: CPU only, teams: [vision], default: true}\n",
+}
+
+
+def _settings(tmp_path, members: str = "[]"):
+    from gpupool.hub.config import Settings
+
+    policy = tmp_path / "policies"
+    policy.mkdir(exist_ok=True)
+    for name, text in {**POLICY, "teams.yaml": f"teams:\n  vision: {{members: {members}}}\n"}.items():
+        (policy / name).write_text(text)
+    return Settings(state_dir=tmp_path / "state", policy_dir=policy, personal=True)
+
+
+def test_a_personal_workstation_lets_the_admin_alone_in(tmp_path):
+    from traitlets.config import Config
+
+    from gpupool.hub.config import apply_config
+
+    c = Config()
+    apply_config(c, _settings(tmp_path))
+    assert c.GPUPoolNativeAuthenticator.personal_workstation is True
+    assert c.Authenticator.allowed_users == {"admin"} and c.Authenticator.allow_all is False
+    assert c.Authenticator.allow_existing_users is False
+
+
+def test_the_mode_follows_the_unix_user_and_the_opt_in(monkeypatch):
+    from gpupool.hub import config
+
+    monkeypatch.setattr(config.os, "geteuid", lambda: 1000)
+    assert config.personal_workstation({}) is True
+    assert config.personal_workstation({config.UNSAFE_SHARED_AS_USER: "1"}) is False
+    monkeypatch.setattr(config.os, "geteuid", lambda: 0)
+    assert config.personal_workstation({}) is False
+
+
+def test_a_personal_workstation_refuses_a_hub_that_knows_other_people(tmp_path):
+    import sqlalchemy
+
+    from gpupool.hub.config import workstation_problem
+
+    settings = _settings(tmp_path)
+    db = tmp_path / "jupyterhub.sqlite"
+    url = f"sqlite:///{db}"
+    assert workstation_problem(url, settings) is None and not db.exists()  # a first start: no database yet
+    engine = sqlalchemy.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sqlalchemy.text("CREATE TABLE users (name TEXT)"))
+        conn.execute(sqlalchemy.text("CREATE TABLE users_info (username TEXT)"))
+        conn.execute(sqlalchemy.text("INSERT INTO users VALUES ('admin'), ('ada')"))
+        conn.execute(sqlalchemy.text("INSERT INTO users_info VALUES ('admin'), ('ben')"))
+    engine.dispose()
+    problem = workstation_problem(url, settings)
+    assert problem is not None and "ada, ben" in problem and "--unsafe-shared-as-user" in problem
+    assert "as root" in problem
+    problem = workstation_problem(f"sqlite:///{tmp_path / 'none.sqlite'}", _settings(tmp_path, "[cleo]"))
+    assert problem is not None and "cleo" in problem  # the policies' members would become hub users at start

@@ -10,7 +10,10 @@ person's spawn page shows the queue, which she leaves with the page's Stop butto
 go to docs/screenshots/ (made by this run, so they stay current).
 
 The journey runs twice: with the hub run as root (each server then runs as its own Unix user and cannot read
-the hub's state), and with the hub run by an ordinary Unix user that the test creates. Each step is one test,
+the hub's state), and with the hub run by an ordinary Unix user that the test creates. Run by an ordinary user,
+gpupool is a personal workstation where the admin alone logs in: the journey's people need the explicit,
+loudly printed opt-in `--unsafe-shared-as-user`; its last step starts the same ordinary user's platform without
+it and finds a personal workstation. Each step is one test,
 named for what a person does; a step whose prerequisite an earlier step failed to make is set up through the
 REST harness instead, so every step reports on its own. Nothing waits on a clock: every wait is for a
 condition, with deadlines generous enough for two busy cores.
@@ -196,7 +199,9 @@ def journey(request, tmp_path_factory):
     # enter the team folders beside the state folder, and an ordinary hub user owns the whole tree.
     tmp = Path(tempfile.mkdtemp(prefix=f"gpupool-journey-{request.param}-"))
     os.chmod(tmp, 0o755)
-    hub = Hub(tmp, POLICY, unix_user=unix_user)
+    # Several people on a hub an ordinary user runs: only with the opt-in (without it: the last step).
+    shared = ("--unsafe-shared-as-user",) if request.param == "hub-as-ordinary-user" else ()
+    hub = Hub(tmp, POLICY, unix_user=unix_user, up_args=shared)
     if unix_user:
         account = pwd.getpwnam(unix_user)
         for path in [tmp, *tmp.rglob("*")]:
@@ -248,6 +253,18 @@ def test_01_the_printed_address_answers_as_soon_as_the_password_is_printed(journ
     assert journey.login_answer_when_printed == [200], (
         f"when `gpupool up` printed the password, {journey.hub.url}/hub/login answered "
         f"{journey.login_answer_when_printed} (issue 12 item 10: print it when the hub routes answer)")
+
+
+def test_01b_the_start_says_who_logs_in_and_an_ordinary_users_shared_hub_is_a_loud_opt_in(journey):
+    log = journey.log_text()
+    warning = "WARNING: --unsafe-shared-as-user"
+    assert "users sign up on the login page" in log, log[-3000:]
+    if journey.variant == "hub-as-root":
+        assert warning not in log, log[-3000:]
+    else:
+        assert warning in log and f"EVERY USER'S SERVER RUNS AS {journey.hub_user}" in log, (
+            f"a hub shared by several people but run by an ordinary user must say so loudly at start (issue 33 "
+            f"item 2):\n{log[-3000:]}")
 
 
 def test_02_the_admin_logs_in_in_chromium_with_the_printed_password(journey):
@@ -465,9 +482,13 @@ def test_12_mlflow_runs_list_in_the_terminal_shows_the_run(journey):
 
 def test_13_with_the_hub_run_as_root_the_server_is_its_user_and_cannot_read_the_state(journey):
     if journey.variant != "hub-as-root":
-        pytest.skip("by design the hub run by an ordinary user runs every server as that user (a personal "
-                    "workstation, README: Running as root or not)")
+        pytest.skip("run by an ordinary user, every server runs as that user: a personal workstation, shared only "
+                    "with the loud --unsafe-shared-as-user (README: Running as root or not; the last step)")
     state = journey.hub.state
+    # The hub's secrets: what the state folder holds, and what would let a user act as the hub or its services.
+    secrets_held = {"the CLI token": (state / "cli-token").read_text().strip(),
+                    "the cookie secret": (state / "jupyterhub_cookie_secret").read_text().strip(),
+                    "the harness service's token": journey.hub.token}
     problems = []
     for person in PEOPLE[:2]:
         terminal = journey.terminal(person)
@@ -475,12 +496,25 @@ def test_13_with_the_hub_run_as_root_the_server_is_its_user_and_cannot_read_the_
         # The account may carry the platform's own prefix (gp-ada), but it is that person's and nobody else's.
         if uid == "0" or not re.fullmatch(rf"([a-z0-9]+-)?{person}", name):
             problems.append(f"{person}'s server runs as uid {uid} ({name})")
-        readable = [str(state / p) for p in ("", "cli-token", "admin.bcrypt", "jupyterhub.sqlite")
+        readable = [str(state / p) for p in ("", "cli-token", "admin.bcrypt", "jupyterhub.sqlite",
+                                             "jupyterhub_cookie_secret", "ledger.sqlite")
                     if terminal.run(f"cat {state / p} >/dev/null 2>&1 || ls {state / p} >/dev/null 2>&1")[0] == 0]
+        # Every other file the hub keeps there (databases, the proxy's pid, the services' records, its config),
+        # asked as the person's own account.
+        asked = subprocess.run(
+            ["runuser", "-u", name, "--", "python3", "-c",
+             "import os, sys; print(*(p for p in sys.stdin.read().splitlines() if os.access(p, os.R_OK)), sep='\\n')"],
+            input="\n".join(map(str, [state, *state.rglob("*")])), capture_output=True, text=True, timeout=120,
+            check=True)
+        readable += [line for line in asked.stdout.splitlines() if line and line not in readable]
         if readable:
-            problems.append(f"{person}'s server can read {readable}")
-    assert not problems, ("with the hub run as root (issue 12 item 2: servers run as their users; none may read "
-                          "the state folder): " + "; ".join(problems))
+            problems.append(f"{person}'s server can read {readable[:10]}")
+        # Nor on a command line, which `ps` shows every user.
+        shown = terminal.check("ps -eww -o args")
+        problems += [f"{person}'s terminal sees {what} on a command line (ps)" for what, value in secrets_held.items()
+                     if value and value in shown]
+    assert not problems, ("with the hub run as root (issue 12 item 2, issue 33 item 2: servers run as their users; "
+                          "none may read a secret the hub holds): " + "; ".join(problems))
 
 
 # --- what it costs --------------------------------------------------------------------------------------------
@@ -636,3 +670,96 @@ def test_18_stop_server_on_the_queued_page_leaves_the_queue_cleanly(journey):
         problems.insert(0, f"{third} still holds a share: {journey.hub.allocations()}")
     assert not problems, f"cancelling {third}'s queued spawn did not leave the queue cleanly (issue 12 item 6):\n" + \
         "\n".join(problems)
+
+
+# --- the ordinary user's platform without the opt-in: a personal workstation ---------------------------------
+
+def _as_hub_user(journey: Journey) -> dict:
+    """subprocess arguments that run a command as the ordinary Unix user that runs the hub (when the tests are root)."""
+    if not journey.hub.unix_user:
+        return {}
+    account = pwd.getpwnam(journey.hub.unix_user)
+    return {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+
+
+def test_19_without_the_opt_in_an_ordinary_users_platform_is_a_personal_workstation(journey, elsewhere):
+    """Issue 33 item 2: run by an ordinary user, every server runs as that user beside the hub's state (its
+    admin-scoped CLI token, cookie secret, database), so the platform is the admin's alone unless told
+    `--unsafe-shared-as-user`: no sign-up, no other user, said at start."""
+    if journey.variant != "hub-as-ordinary-user":
+        pytest.skip("run as root, the hub is shared: each server runs as its own user")
+    hub, as_user = journey.hub, _as_hub_user(journey)
+    env = {**hub.env, "HOME": pwd.getpwnam(journey.hub_user).pw_dir}
+    if as_user:
+        os.chown(elsewhere, as_user["user"], as_user["group"])
+    # The journey's own state folder knows ada, ben and cleo: without the opt-in it does not start.
+    for user in hub.api("GET", "/users").json():
+        for server in user["servers"]:
+            hub.stop_server(user["name"], timeout=120, server=server)
+    hub.stop()
+    again = subprocess.Popen(
+        [str(hub.command), "up", "--state-dir", str(hub.state), "--port", str(hub.port), "--policies", str(hub.policies),
+         "--ledger-url", hub.ledger_url, "--team-root", str(hub.team_root), "--no-mlflow"],
+        cwd=elsewhere, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        **as_user)
+    try:
+        said, _ = again.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(again.pid, 9)
+        said, _ = again.communicate()
+        hub.kill_leftovers()
+        raise AssertionError(f"gpupool up started a personal workstation on a state folder whose hub knows other "
+                             f"people:\n{said[-3000:]}") from None
+    assert again.returncode != 0 and "refusing to start" in said, said[-3000:]
+    assert all(person in said for person in PEOPLE) and "--unsafe-shared-as-user" in said, said[-3000:]
+
+    # A fresh platform of the same ordinary user, as `make up` makes it.
+    tmp = Path(tempfile.mkdtemp(prefix="gpupool-journey-workstation-"))
+    os.chmod(tmp, 0o755)
+    mine = Hub(tmp, POLICY, unix_user=hub.unix_user, mlflow=False)
+    if as_user:
+        for path in [tmp, *tmp.rglob("*")]:
+            os.chown(path, as_user["user"], as_user["group"])
+    b = journey.browser
+    try:
+        mine.start()
+        log = mine.log.read_text()
+        assert "a personal workstation" in log and "'admin' alone logs in" in log, log[-3000:]
+        assert "users sign up" not in log and "WARNING: --unsafe-shared-as-user" not in log, log[-3000:]
+        # The one person logs in in Chromium with the printed password; the login page offers no sign-up.
+        b.driver.execute_cdp_cmd("Network.clearBrowserCookies", {})
+        b.get(f"{mine.url}/hub/login")
+        b.wait(lambda d: b.css("#login_submit"), 120, "the login page has no Sign In button")
+        assert not b.css("a[href$='signup']"), f"the login page invites sign-ups:\n{b.text()[:2000]}"
+        b.fill({"username_input": "admin", "password_input": mine.admin_password()})
+        b.click("#login_submit")
+        b.wait(lambda d: "/hub/login" not in d.current_url, 120, f"the admin could not log in:\n{b.text()[:2000]}")
+        b.get(f"{mine.url}/hub/signup")
+        b.wait_for_text("personal workstation")
+        # Another person: the sign-up as the browser posts it, then a login.
+        other = requests.Session()
+        other.get(f"{mine.url}/hub/login", timeout=30)
+        form = {"username": "zoe", "signup_password": "a long enough password 42",
+                "signup_password_confirmation": "a long enough password 42", "_xsrf": other.cookies.get("_xsrf", "")}
+        reply = other.post(f"{mine.url}/hub/signup", data=form, timeout=60)
+        assert reply.status_code == 404 and "personal workstation" in reply.text, (reply.status_code, reply.text[-2000:])
+        login = other.post(f"{mine.url}/hub/login", timeout=60, allow_redirects=False, data={
+            "username": "zoe", "password": form["signup_password"], "_xsrf": other.cookies.get("_xsrf", "")})
+        assert login.status_code != 302, "someone other than the admin logged in on a personal workstation"
+        # Nobody else can be made: not through the REST API, nor the admin's CLI.
+        reply = mine.api("POST", "/users/zoe")
+        assert reply.status_code == 403 and "personal workstation" in reply.json()["message"], reply.text
+        made = subprocess.run([str(mine.command), "team", "add-member", TEAM, "zoe", "--create", "--state-dir",
+                               str(mine.state)], cwd=elsewhere, env={**mine.env, "HOME": env["HOME"]},
+                              capture_output=True, text=True, timeout=120, **as_user)
+        assert made.returncode != 0 and "personal workstation" in made.stderr, made.stderr
+        assert [u["name"] for u in mine.api("GET", "/users").json()] == ["admin"]
+        # The one person puts themselves in a team, as the start-up line says.
+        mine_done = subprocess.run([str(mine.command), "team", "add-member", TEAM, "admin", "--state-dir",
+                                    str(mine.state)], cwd=elsewhere, env={**mine.env, "HOME": env["HOME"]},
+                                   capture_output=True, text=True, timeout=120, **as_user)
+        assert mine_done.returncode == 0, mine_done.stderr
+    finally:
+        mine.stop()
+        mine.kill_leftovers()
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -17,9 +17,10 @@ def test_gpupool_up_runs_mlflow_behind_the_hub_with_state_in_the_state_folder(tm
     (service,) = [s for s in c.JupyterHub.services if s["name"] == "mlflow"]
     assert service["url"] == "http://127.0.0.1:9004"
     command = service["command"][service["command"].index("--") + 1:]  # under the lifecycle supervisor
-    assert command[1:4] == ["server", "--app-name", "gpupool"]
+    # MLflow's `mlflow server`, becoming its uvicorn (one process at rest, no waiting parent)
+    assert command[1:5] == ["-m", "gpupool.hub.mlflow_server", "--app-name", "gpupool"]
     options = command
-    assert f"sqlite:///{tmp_path / 'mlflow.sqlite'}" in options
+    assert service["environment"]["MLFLOW_BACKEND_STORE_URI"] == f"sqlite:///{tmp_path / 'mlflow.sqlite'}"
     assert options[options.index("--artifacts-destination") + 1] == str(tmp_path / "mlflow-artifacts")
     assert "--serve-artifacts" in options
     assert options[options.index("--static-prefix") + 1] == "/services/mlflow"
@@ -31,11 +32,14 @@ def test_gpupool_up_runs_mlflow_behind_the_hub_with_state_in_the_state_folder(tm
     roles = {r["name"]: r for r in c.JupyterHub.load_roles}
     assert roles["gpupool-mlflow"]["scopes"] == [] and roles["gpupool-mlflow"]["services"] == ["mlflow"]
     assert "access:services!service=mlflow" in roles["user"]["scopes"]
-    # On PostgreSQL when asked.
+    # On PostgreSQL when asked; its URL, which may hold a password, is never on a command line (`ps` shows those
+    # to every user of the machine), only in the service's environment.
     c = Config()
-    apply_config(c, Settings(state_dir=tmp_path, mlflow_backend_url="postgresql+psycopg://u@db/mlflow"))
+    url = "postgresql+psycopg://u:secret-pw@db/mlflow"
+    apply_config(c, Settings(state_dir=tmp_path, mlflow_backend_url=url))
     (service,) = [s for s in c.JupyterHub.services if s["name"] == "mlflow"]
-    assert "postgresql+psycopg://u@db/mlflow" in service["command"]
+    assert service["environment"]["MLFLOW_BACKEND_STORE_URI"] == url
+    assert not [arg for s in c.JupyterHub.services for arg in s.get("command", []) if "secret-pw" in arg]
 
 
 def test_a_servers_mlflow_environment_and_token_scopes():
