@@ -19,7 +19,9 @@ from jupyterhub.app import JupyterHub
 from traitlets import Unicode, default
 
 from gpupool.hub.availability import availability_handlers
+from gpupool.hub.config import TEMPLATES
 from gpupool.hub.sharing import share_handlers
+from gpupool.hub.spawn_page import spawn_page_handlers
 from gpupool.policies import DEFAULT_POLICY_DIR
 from gpupool.spawner.wiring import JOB_TOKEN_SCOPES
 
@@ -48,6 +50,15 @@ class GPUPoolHub(JupyterHub):
         # Tornado takes the first route that matches: these go before JupyterHub's routes of the same paths.
         self.handlers[0:0] = self.add_url_prefix(self.hub_prefix, [*share_handlers(self.policy_dir),
                                                                    *availability_handlers()])
+        # Opening a spawn page makes no server (JupyterHub's made one that counted against the named-server limit).
+        self.handlers = spawn_page_handlers(self.handlers)
+
+    def init_tornado_settings(self):
+        # gpupool's pages (the spawn page, the progress page's Stop, the home page) in every mode that runs this
+        # hub, however its configuration came: after the configured paths, before JupyterHub's own.
+        if str(TEMPLATES) not in self.template_paths:
+            self.template_paths.append(str(TEMPLATES))
+        super().init_tornado_settings()
 
     job_runner = None
 

@@ -9,8 +9,11 @@ story, in order: each starts from the servers the steps before it left.
 
 from __future__ import annotations
 
+import os
+import pwd
 import re
 import shutil
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +25,7 @@ from traitlets.config import Config
 from gpupool.hub.accounting.ledger import Ledger, run_server
 from gpupool.hub.accounting.periods import period_bounds, period_of, utcnow
 from gpupool.hub.config import Settings, apply_config, named_server_limit
-from gpupool.hub.harness import Browser, Hub
+from gpupool.hub.harness import Browser, Hub, wait_for
 from gpupool.spawner.wiring import sharing_roles
 from gpupool.policies import load_policy
 from gpupool.policies.sharing import SHARE_CODES_REFUSED, share_refusal
@@ -40,11 +43,12 @@ teams:
     sharing: true
   nlp: {priority: 50, quota: {gpus: 1, per_user_gpus: 1}}
   solo: {named_servers: 0}
+  ops: {priority: 10, quota: {gpus: 1, per_user_gpus: 0.25}}
 """,
     "profiles.yaml": """
 profiles:
-  cpu: {display_name: CPU only, teams: [vision, nlp, solo], default: true}
-  h200-quarter: {display_name: 0.25 × H200, gpu: {model: H200, share: 0.25}, teams: [vision, nlp]}
+  cpu: {display_name: CPU only, teams: [vision, nlp, solo, ops], default: true}
+  h200-quarter: {display_name: 0.25 × H200, gpu: {model: H200, share: 0.25}, teams: [vision, nlp, ops]}
 """,
     "billing.yaml": "billing: {prices: {H200: '3.20'}}\n",
 }
@@ -139,7 +143,9 @@ def hub(tmp_path_factory, policy):
 
 
 SCREENSHOTS = Path(__file__).resolve().parent.parent / "docs" / "screenshots"
-TEAMS = {"alice": "vision", "bob": "vision", "carol": "nlp", "dave": "solo"}
+#: erin's quota is one quarter H200: a second quarter of hers waits in the queue.
+TEAMS = {"alice": "vision", "bob": "vision", "carol": "nlp", "dave": "solo", "erin": "ops"}
+QUARTER = "0.25 × H200"
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +231,30 @@ def test_the_named_server_limit_comes_from_the_teams_policy(hub, sessions, token
     assert "Add New Server" in page(hub, sessions["carol"], "GET", "/hub/home").text
 
 
+def named_servers(hub, token: str, user: str) -> list[str]:
+    """The named servers of `user` as the REST API lists them with the stopped ones (which JupyterHub counts)."""
+    listed = as_user(hub, token, "GET", f"/hub/api/users/{user}", params={"include_stopped_servers": "1"})
+    assert listed.status_code == 200, listed.text
+    return sorted(name for name in listed.json()["servers"] if name)
+
+
+def test_opening_the_spawn_page_of_a_new_name_makes_no_server(hub, sessions, tokens):
+    """Issue 33 item 11: JupyterHub made the named server when its spawn page was opened; those stopped servers
+    counted against the limit until deleted, so bob, having looked at four forms, could start none."""
+    bob = tokens["bob"]
+    for name in ("look-1", "look-2", "look-3", "look-4", "look-5"):  # one more than his teams' limit of 4
+        form = page(hub, sessions["bob"], "GET", f"/hub/spawn/bob/{name}")
+        assert form.status_code == 200 and "0.25 × H200" in form.text, form.text[-2000:]
+    assert named_servers(hub, bob, "bob") == []
+    # The form posted still makes and starts the server, within the untouched limit.
+    started = page(hub, sessions["bob"], "POST", "/hub/spawn/bob/look-2", data={"profile": "cpu"})
+    assert started.status_code == 302, started.text[-2000:]
+    assert hub.wait_ready("bob", server="look-2")["user_options"] == {"profile": "cpu", "team": "vision"}
+    removed = as_user(hub, bob, "DELETE", "/hub/api/users/bob/servers/look-2", json={"remove": True})
+    assert removed.status_code in (202, 204), removed.text
+    wait_for(lambda: named_servers(hub, bob, "bob") == [], 120, message="bob's look-2 was not removed")
+
+
 def test_the_home_page_the_ledger_and_the_usage_page_show_each_server(hub, sessions, tokens):
     alice = tokens["alice"]
     home = page(hub, sessions["alice"], "GET", "/hub/home")
@@ -254,24 +284,28 @@ def test_the_home_page_the_ledger_and_the_usage_page_show_each_server(hub, sessi
     assert usage.status_code == 200 and '<tr data-server="train"><td>train</td>' in usage.text, usage.text[-3000:]
 
 
-def test_the_home_page_in_a_browser(hub, sessions):
-    """alice's home page in headless Chromium, with her two servers; its screenshot goes into docs/screenshots/."""
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium, one for the module's pages (each test logs in as its person)."""
     chromium, driver = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
     if not chromium or not driver:
         pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver)")
     browser = Browser(chromium, driver)
-    try:
-        browser.log_in_as(hub.url, sessions["alice"])
-        browser.start_recording()
-        browser.get(f"{hub.url}/hub/home")
-        text = browser.wait_for_text("Your running servers")
-        browser.wait_page_loaded()
-        assert "notebook" in text and "train" in text and "CPU only" in text and "0.25 × H200" in text, text
-        assert not browser.failed_requests(), browser.failed_requests()
-        assert not browser.console_errors(), browser.console_errors()
-        browser.screenshot_whole_page(SCREENSHOTS / "home-named-servers.png")
-    finally:
-        browser.quit()
+    yield browser
+    browser.quit()
+
+
+def test_the_home_page_in_a_browser(hub, sessions, browser):
+    """alice's home page in headless Chromium, with her two servers; its screenshot goes into docs/screenshots/."""
+    browser.log_in_as(hub.url, sessions["alice"])
+    browser.start_recording()
+    browser.get(f"{hub.url}/hub/home")
+    text = browser.wait_for_text("Your running servers")
+    browser.wait_page_loaded()
+    assert "notebook" in text and "train" in text and "CPU only" in text and "0.25 × H200" in text, text
+    assert not browser.failed_requests(), browser.failed_requests()
+    assert not browser.console_errors(), browser.console_errors()
+    browser.screenshot_whole_page(SCREENSHOTS / "home-named-servers.png")
 
 
 def test_sharing_is_off_unless_the_team_allows_it(hub, tokens):
@@ -338,3 +372,121 @@ def test_shares_the_policy_no_longer_allows_are_revoked_when_the_server_starts_a
     hub.wait_ready("alice", server="notebook")
     assert as_user(hub, alice, "GET", "/hub/api/shares/alice/notebook").json()["items"] == []
     assert "Revoking the share of alice:notebook with bob: sharing is off for team 'vision'" in hub.log.read_text()
+
+
+# --- Stop on the progress page (issue 33 item 1) --------------------------------------------------------------
+
+
+def stop_while_queued(hub: Hub, browser: Browser, user: str, server: str = "") -> str:
+    """`user` (logged in in `browser`) picks the quarter H200 on the spawn page of their server `server` ("": the
+    default one), the request waits in the queue, and they press the progress page's Stop Server: the page's
+    text once it has answered."""
+    from selenium.common.exceptions import WebDriverException
+
+    def said(selector: str) -> str:
+        try:
+            found = browser.css(selector)
+            return found[0].text if found else ""
+        except WebDriverException:  # between two pages
+            return ""
+
+    path = f"{user}/{server}" if server else user
+    browser.get(f"{hub.url}/hub/spawn/{path}")
+    browser.wait_for_text(QUARTER)
+    label = next(e for e in browser.css("#spawn_form label") if QUARTER in e.text)
+    label.find_element("css selector", "input[type=radio]").click()
+    browser.click("#spawn_form [type=submit]")
+    browser.wait(lambda d: f"/spawn-pending/{path}" in d.current_url, 120,
+                 f"the spawn did not go to the progress page: {browser.driver.current_url}\n{browser.text()[:2000]}")
+    browser.wait(lambda d: "position 1 of 1" in said("#progress-message"), 300,
+                 f"the progress page never showed the queue:\n{browser.text()[:2000]}")
+    browser.click("#stop-server-btn")
+    try:
+        browser.wait(lambda d: "will not start" in said("#stop-server-status")
+                     and said("#progress-message") == "Spawn cancelled", 180)
+    except Exception:
+        raise AssertionError(f"after Stop Server, {browser.driver.current_url} does not say that the wait was "
+                             f"cancelled; it shows:\n{browser.text()[:2000]}") from None
+    return browser.text()
+
+
+def cancel_both_waits(hub: Hub, browser: Browser, user: str, rest) -> None:
+    """The person's path of issue 33 item 1: `user`, whose team allows one quarter H200 per person, stops a queued
+    named server on its progress page while their default server runs, then a queued default server while a
+    named one runs. `rest(method, path)`: a REST call from the root (`/hub/api/…`, `/user/…`) with a token of
+    theirs or the hub's."""
+
+    def queue_length() -> int:
+        reply = rest("GET", f"/hub/api/users/{user}/availability")
+        assert reply.status_code == 200, reply.text
+        return reply.json()["queue_length"]
+
+    assert rest("POST", f"/hub/api/users/{user}/server", json={"profile": "h200-quarter"}).status_code in (201, 202)
+    hub.wait_ready(user)
+    text = stop_while_queued(hub, browser, user, "second")
+    assert "The server \u201csecond\u201d will not start" in text, text
+    wait_for(lambda: hub.server(user, "second") is None, 120, message=f"{user}'s second is still there")
+    assert (hub.server(user) or {}).get("ready"), f"{user}'s running default server was stopped: {hub.server(user)}"
+    assert rest("GET", f"/user/{user}/api/status").status_code == 200  # its JupyterLab answers
+    assert queue_length() == 0
+    assert sorted(key for key in hub.allocations() if key.startswith(f"{user}/")) == [f"{user}/"]
+
+    # The default server's page: its Stop stops it alone, while a named server holds the user's quarter.
+    hub.stop_server(user, 120)
+    assert rest("POST", f"/hub/api/users/{user}/servers/first", json={"profile": "h200-quarter"}).status_code in (
+        201, 202)
+    hub.wait_ready(user, server="first")
+    text = stop_while_queued(hub, browser, user)
+    assert "The default server will not start" in text, text
+    wait_for(lambda: hub.server(user) is None, 120, message=f"{user}'s default server is still there")
+    assert (hub.server(user, "first") or {}).get("ready"), f"{user}'s first was stopped: {hub.server(user, 'first')}"
+    assert rest("GET", f"/user/{user}/first/api/status").status_code == 200
+    assert queue_length() == 0
+    assert sorted(key for key in hub.allocations() if key.startswith(f"{user}/")) == [f"{user}/first"]
+    hub.stop_server(user, 120, server="first")
+
+
+def test_stop_on_a_queued_servers_progress_page_stops_that_server_alone(hub, sessions, tokens, browser):
+    browser.log_in_as(hub.url, sessions["erin"])
+    cancel_both_waits(hub, browser, "erin", lambda method, path, **kw: as_user(hub, tokens["erin"], method, path, **kw))
+
+
+@pytest.fixture(scope="module")
+def ordinary_hub():
+    """A hub run by an ordinary Unix user (the journey's, made when missing) on this module's policies; its
+    admin, the one account such a hub has, is in team ops."""
+    from test_journey import _ordinary_user  # the journey's ordinary user, made once for both
+
+    hub_user, problem = _ordinary_user()
+    if problem:
+        pytest.skip(problem)
+    unix_user = hub_user if os.geteuid() == 0 else None
+    # Not under pytest's tmp_path, whose parents are private to the tests' user: the hub's user owns the tree.
+    tmp = Path(tempfile.mkdtemp(prefix="gpupool-named-ordinary-"))
+    os.chmod(tmp, 0o755)
+    hub = Hub(tmp, POLICY, mlflow=False, unix_user=unix_user)
+    if unix_user:
+        account = pwd.getpwnam(unix_user)
+        for path in [tmp, *tmp.rglob("*")]:
+            os.chown(path, account.pw_uid, account.pw_gid)
+    try:
+        hub.start()
+        assert hub.api("POST", "/groups/ops/users", json={"users": ["admin"]}).status_code == 200
+        yield hub
+    finally:
+        try:
+            for server in (hub.api("GET", "/users/admin").json().get("servers") or {}):
+                hub.stop_server("admin", 60, server=server)
+        except (requests.RequestException, ValueError, AssertionError):
+            pass  # the hub is gone already
+        hub.stop()
+        hub.kill_leftovers()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_stop_on_a_queued_servers_progress_page_stops_that_server_alone_with_the_hub_run_by_an_ordinary_user(
+        ordinary_hub, browser):
+    hub = ordinary_hub
+    browser.log_in_as(hub.url, hub.log_in("admin", hub.admin_password()))
+    cancel_both_waits(hub, browser, "admin",
+                      lambda method, path, **kw: hub.session.request(method, f"{hub.url}{path}", timeout=60, **kw))
