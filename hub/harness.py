@@ -22,6 +22,7 @@ import requests
 import websocket  # websocket-client, a Jupyter Server dependency
 
 from gpupool.policies import defaults
+from gpupool.spawner.accounts import DEFAULT_RECORD, claim_machine
 from gpupool.spawner.pool import AllocationStore
 
 GPUPOOL = Path(sys.executable).parent / "gpupool"
@@ -131,6 +132,10 @@ class Hub:
         self.session.headers["Authorization"] = f"token {self.token}"
 
     def start(self) -> None:
+        if os.geteuid() == 0 and not self.unix_user:
+            # Each test's hub is a new install on this machine, the earlier tests' platforms are gone: this one
+            # takes the machine's accounts over (what an admin does by removing the old state folder).
+            claim_machine(self.state, DEFAULT_RECORD, take_over=True)
         log = self.log.open("a")
         logged = self.log.stat().st_size
         env = dict(self.env)

@@ -14,6 +14,7 @@ from gpupool.hub.accounting.jobs_service import RUN_AS_ENV
 from gpupool.hub.app import GPUPoolHub
 from gpupool.hub.config import Settings, apply_config, shared_as_user_warning, workstation_problem
 from gpupool.policies import load_policy
+from gpupool.spawner.accounts import DEFAULT_RECORD, claim_machine
 from gpupool.spawner.local import UNSAFE_SINGLE_USER, default_server_env, root_servers_problem
 from gpupool.spawner.wiring import JOBS_SERVICE
 
@@ -47,7 +48,12 @@ if os.getuid() == 0:
         raise SystemExit(f"gpupool up: refusing to start: {problem}. Users' servers would run as root, could read "
                          f"the hub's state (its admin-scoped token among it) and become admin. On a machine with "
                          f"one user, say so with `gpupool up --unsafe-single-user`.")
-    else:  # jobs run as their users too: the jobs service checks a job's working folder as its user's account
+    else:
+        # Servers and jobs run as gpupool's accounts and groups, which are the machine's: one machine, one platform.
+        refused = claim_machine(settings.state_dir, spawner.get("identity_record") or DEFAULT_RECORD)
+        if refused:
+            raise SystemExit(f"gpupool up: refusing to start: {refused}")
+        # Jobs run as their users too: the jobs service checks a job's working folder as its user's account.
         for service in c.JupyterHub.services:
             if service["name"] == JOBS_SERVICE:
                 service["environment"][RUN_AS_ENV] = "user"

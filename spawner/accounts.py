@@ -6,6 +6,10 @@ written to a record that lives outside any state folder (`/var/lib/gpupool/ident
 that a restart, a reinstall with a new state folder, or an account deleted by hand and made again keeps
 the same uid and gid, and files keep their owners. An account or group with one of these names that the
 record does not hold with that id was not made by gpupool: it is an error naming the conflict, never adopted.
+
+The accounts and groups are the machine's, so one machine runs one platform as root: the record names the
+state folder of the platform they belong to (`claim_machine`), and a second platform refuses to start while
+that folder exists (its team `vision` would be the first one's `gpteam-vision`, its `alice` the first's).
 """
 
 from __future__ import annotations
@@ -72,6 +76,24 @@ def _locked_record(path: Path):
                 os.fsync(out.fileno())
             os.chmod(temporary, 0o644)
             os.replace(temporary, path)
+
+
+def claim_machine(state_dir: str | Path, record_path: str | Path = DEFAULT_RECORD, take_over: bool = False) -> str | None:
+    """Record that gpupool's accounts and groups on this machine are the platform's in `state_dir`; or, when another
+    platform's state folder still exists, why it may not start (None: claimed). A record of a platform whose state
+    folder is gone is taken over (a reinstall keeps its users' uids); so is any with `take_over`."""
+    state = str(Path(state_dir).resolve())
+    record_path = Path(record_path)
+    with _locked_record(record_path) as record:
+        owner = record.get("platform")
+        if owner and owner != state and Path(owner).is_dir() and not take_over:
+            return (f"this machine's gpupool accounts and team groups (gp-USER, gpteam-TEAM, recorded in {record_path}) "
+                    f"belong to the platform whose state folder is {owner}. One machine runs one gpupool platform as "
+                    f"root: a second would share them (a user of one could read the other's team folders and homes). "
+                    f"Run that platform (`gpupool up --state-dir {owner}`), or, if it is gone for good, remove its "
+                    f"state folder {owner}: its users' accounts, team groups and their files then pass to this one")
+        record["platform"] = state
+    return None
 
 
 def _lookup(getter, name):

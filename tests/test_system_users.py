@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from gpupool.hub.harness import Hub
 from gpupool.policies.identity import unix_group, unix_user
-from gpupool.spawner.accounts import IdentityConflict
+from gpupool.spawner.accounts import IdentityConflict, claim_machine
 from gpupool.spawner.datasets import Remote, dvc_config_text, git_config_text, safe_directories_text
 from gpupool.spawner.local import ensure_system_user, ensure_team_folder, runnable_by_others
 
@@ -130,6 +131,39 @@ def test_ids_are_recorded_and_kept_across_restarts_reinstalls_and_deleted_accoun
     assert (back.uid, back.gid) == (first.uid, first.gid)
     assert (Path(back.home) / "notes.txt").stat().st_uid == back.uid
     assert as_user(alice, "cat", Path(back.home) / "notes.txt").stdout == "mine"
+
+
+def test_one_machine_runs_one_platform_as_root(names):
+    """Issue 33: two platforms on one machine shared `gpteam-vision` through the machine's record, so a user of one
+    read the other's team folder. A second platform refuses to start as root, naming the first one's state folder
+    and the way out; once that folder is gone (a reinstall), the accounts pass to the new one, uids kept."""
+    record, root = names["record"], names["root"]
+    first = root / "first" / "state"
+    first.mkdir(parents=True)
+    assert claim_machine(first, record) is None and claim_machine(first, record) is None  # its own restarts
+    alice = ensure_system_user(names["alice"], [names["vision"]], log, record)
+    # The admin's path: `gpupool up` of a second platform, as root.
+    hub = Hub(root / "second", {
+        "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [whole]}\n"
+                     "inventory:\n  - {model: H200, count: 1}\n",
+        "teams.yaml": f"teams:\n  {names['vision']}: {{}}\n",
+        "profiles.yaml": f"profiles:\n  cpu: {{display_name: CPU, teams: [{names['vision']}]}}\n",
+    }, f"c.LocalGPUSpawner.identity_record = {str(record)!r}", mlflow=False)
+    try:
+        with pytest.raises(AssertionError):  # its process ended instead of serving
+            hub.start()
+        said = " ".join(hub.log.read_text().split())
+        assert (f"gpupool up: refusing to start: this machine's gpupool accounts and team groups (gp-USER, gpteam-TEAM, "
+                f"recorded in {record}) belong to the platform whose state folder is {first}.") in said, said[-3000:]
+        assert f"`gpupool up --state-dir {first}`), or, if it is gone for good, remove its state folder {first}" in said
+    finally:
+        hub.kill()
+        hub.kill_leftovers()
+    assert json.loads(record.read_text())["platform"] == str(first)
+    shutil.rmtree(first)
+    assert claim_machine(hub.state, record) is None
+    assert json.loads(record.read_text())["platform"] == str(hub.state.resolve())
+    assert ensure_system_user(names["alice"], [names["vision"]], log, record) == alice
 
 
 def test_leaving_a_team_drops_its_group_and_keeps_groups_gpupool_does_not_own(names):
