@@ -194,14 +194,28 @@ def show(args: argparse.Namespace) -> int:
 
 def logs(args: argparse.Namespace) -> int:
     jobs, offset = client(args), 0
+    # The service sends each progress bar at its last state; one still drawing at the log's end comes again,
+    # redrawn ("\r" and its new state), as it moves on. A terminal redraws it in place; into a file or a pipe
+    # only its last state goes, once its line has ended (or the log has).
+    live, open_line = sys.stdout.isatty(), ""
     while True:
         reply = jobs.call("GET", f"api/jobs/{args.job}/log", params={"offset": offset})
-        sys.stdout.write(reply.content.decode("utf-8", "replace"))
+        text = reply.content.decode("utf-8", "replace")
+        if live:
+            sys.stdout.write(text)
+        else:
+            if text.startswith("\r"):
+                open_line, text = "", text[1:]
+            open_line += text
+            done, newline, open_line = open_line.rpartition("\n")
+            sys.stdout.write(done + newline)
         sys.stdout.flush()
-        offset = int(reply.headers.get("X-Log-Offset", offset))
-        if reply.content:
+        read, offset = offset, int(reply.headers.get("X-Log-Offset", offset))
+        if offset != read:
             continue  # more may be there already
         if not args.follow or reply.headers.get("X-Job-State") in ENDED:
+            if open_line:
+                print(open_line, flush=True)
             return 0
         time.sleep(FOLLOW_S)
 

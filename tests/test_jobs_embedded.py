@@ -400,11 +400,52 @@ def test_failures_cancels_a_hub_restart_and_other_teams(hub, tmp_path):
     assert (held.how, held.state) == ("stopped", "running") and held.end_at <= then.start_at
 
 
-def test_the_jobs_page_lists_a_job_and_its_cancel_button_cancels_it(hub):
+#: A job as people write them: a tqdm bar over its steps (redrawn with "\r" at every step, on stderr) and a
+#: gpupool.train checkpoint of 3 MiB at steps 100 and 200, in the folder the platform gives the job.
+PROGRESS_BAR = [sys.executable, "-c", "import time\n"
+                "from tqdm import tqdm\n"
+                "from gpupool.train import Checkpoints\n"
+                "ckpt = Checkpoints()\n"
+                "for step in tqdm(range(1, 201), desc='training', mininterval=0, miniters=1):\n"
+                "    time.sleep(0.01)\n"
+                "    if step % 100 == 0: ckpt.save({'weights': bytes(3 * 2**20)}, step)\n"
+                "print('trained', flush=True)\n"]
+
+
+def test_the_jobs_page_lists_a_job_and_its_cancel_button_cancels_it(hub, tmp_path):
     # A person in a browser: signed up, approved, logged in on the hub's pages (cookies, the forms' _xsrf).
     (browser,) = hub.sign_up(["carol"], "carol-password-long").values()
     assert hub.api("POST", "/groups/vision/users", json={"users": ["carol"]}).status_code == 200
     carol = Jobs(hub, "carol")
+
+    # A progress bar and checkpoints, followed from a terminal in another folder: the bar is one line at its
+    # last state (its 200 redraws are in the stored log, not in what people read), and each checkpoint says
+    # its step, when it was committed and its size.
+    bar = carol.submit(profile="h200", command=PROGRESS_BAR)
+    done = carol.wait(bar["id"], lambda j: j["state"] in ENDED, what="to its end")
+    assert done["state"] == "succeeded", carol.call("GET", f"api/jobs/{bar['id']}/log").text[-3000:]
+    assert (hub.state / "jobs" / bar["id"] / "log").read_bytes().count(b"\r") >= 200  # what tqdm wrote
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shown = carol.cli("show", bar["id"], cwd=elsewhere)
+    logs = carol.cli("logs", bar["id"], cwd=elsewhere)
+    for out in (shown, logs):
+        assert out.returncode == 0, out.stderr
+        assert "\r" not in out.stdout, out.stdout[-3000:]
+        (line,) = [line for line in out.stdout.splitlines() if "training:" in line]
+        assert "100%" in line and "200/200" in line, line
+        for step in (100, 200):
+            assert re.search(rf"gpupool\.train: checkpoint step {step} committed at \d{{4}}-\d\d-\d\d "
+                             rf"\d\d:\d\d:\d\d UTC, 3\.0 MiB \(", out.stdout), out.stdout[-3000:]
+    # GPU-hours at the bills' precision (4 places), the same in `jobs show` and on the Jobs page.
+    (hours,) = re.findall(r"GPU-hours so far: (\S+),", shown.stdout)
+    assert re.fullmatch(r"\d+\.\d{4}", hours) and Decimal(hours) > 0, hours
+    listing = browser.get(f"{hub.url}/services/jobs/", timeout=60)
+    row = listing.text.split(f'data-job="{bar["id"]}"', 1)[1].split("</tr>", 1)[0]
+    assert f'<td class="num">{hours}</td>' in row, row
+    page = browser.get(f"{hub.url}/services/jobs/jobs/{bar['id']}", timeout=60)
+    assert f"{hours} GPU-h" in page.text and "\r" not in page.text.split('id="log"', 1)[1]
+
     job = carol.submit(profile="cpu", command=UNTIL_STOPPED)
     carol.wait(job["id"], lambda j: j["state"] == "running")
     listing = browser.get(f"{hub.url}/services/jobs/", timeout=60)  # through the hub's OAuth, as a browser

@@ -22,6 +22,7 @@ import pickle
 import re
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -148,7 +149,9 @@ def commit(folder: Path, step: int, metadata: Mapping[str, Any] | None = None) -
     _fsync_tree(folder)
     saved_at = _write_marker(folder, step, files, extra)
     _fsync_folder(folder.parent)
-    return Checkpoint(step, folder, files, extra, saved_at)
+    committed = Checkpoint(step, folder, files, extra, saved_at)
+    announce(committed)
+    return committed
 
 
 def _write_marker(folder: Path, step: int, files: Mapping[str, int], metadata: Mapping[str, Any]) -> float:
@@ -161,6 +164,31 @@ def _write_marker(folder: Path, step: int, files: Mapping[str, int], metadata: M
         os.fsync(f.fileno())
     _fsync_folder(folder)
     return saved_at
+
+
+def _human_size(size: int) -> str:
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{size} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def announce(checkpoint: Checkpoint) -> None:
+    """One line on stderr per committed checkpoint: its step, when, its size and folder. A job's log (and so
+    `gpupool jobs show` and `logs`) then says which checkpoint a resumed run can start from; stdout stays the
+    program's own."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(checkpoint.saved_at))
+    size = _human_size(sum(checkpoint.files.values()))
+    line = f"gpupool.train: checkpoint step {checkpoint.step} committed at {when}, {size} ({checkpoint.path})"
+    tqdm = getattr(sys.modules.get("tqdm"), "tqdm", None)
+    if tqdm is not None and hasattr(tqdm, "write"):
+        # A progress bar drawing (a training loop's, the Trainer's): tqdm clears it, writes the line and draws it
+        # again below, where a plain print would glue the line to the bar's text.
+        tqdm.write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 class Checkpoints:
@@ -258,9 +286,11 @@ class Checkpoints:
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
+        committed = Checkpoint(step, final, files, json.loads(extra), saved_at)
+        announce(committed)
         self._prune()
         hold_if_drilled(step)
-        return Checkpoint(step, final, files, json.loads(extra), saved_at)
+        return committed
 
     def _work_folder(self, kind: str, step: int) -> Path:
         self._serial += 1

@@ -580,11 +580,30 @@ def log_tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
 
 
 def tail_text(data: bytes, lines: int, cut: bool) -> str:
-    """The last `lines` lines of a log's last bytes `data` (`cut`: its first line is a part of one)."""
-    text = data.decode("utf-8", "replace")
+    """The last `lines` lines of a log's last bytes `data` (`cut`: its first line is a part of one), each
+    progress line at its last state (`collapse_progress`)."""
+    text = collapse_progress(data).decode("utf-8", "replace")
     if cut:
         text = text.split("\n", 1)[-1]
     return "\n".join(text.splitlines()[-lines:])
+
+
+def collapse_progress(data: bytes, continued: bool = False) -> bytes:
+    """A log's bytes with each line's carriage-return redraws (a tqdm bar updating itself, `\\r` then the new
+    state, hundreds of times) collapsed to the line's last state, as a terminal would end up showing it; a CRLF
+    line end is a plain one. Both modes' logs are served through this (the embedded runner's file, the pods'
+    output kept in the database), so a progress bar is one line in `gpupool jobs show`, `logs` and the pages
+    whatever wrote it. `continued`: `data` starts inside a line already served; when that line is redrawn the
+    result starts with `\\r` and its new state, for a terminal following the log to redraw it too."""
+    if b"\r" not in data:
+        return data
+    lines = data.split(b"\n")
+    for i, line in enumerate(lines):
+        if b"\r" in line:
+            parts = line.split(b"\r")
+            shown = max((n for n, part in enumerate(parts) if part), default=0)  # a trailing \r erases nothing
+            lines[i] = b"\r" + parts[shown] if (i == 0 and continued and shown > 0) else parts[shown]
+    return b"\n".join(lines)
 
 
 def priority_order(policy: Policy) -> Any:

@@ -27,10 +27,10 @@ from pydantic import ValidationError
 from tornado import ioloop, web
 
 from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import format_hours
+from gpupool.hub.accounting.bills import hours_text
 from gpupool.hub.accounting.jobs import (
     DEFAULT_CHECKPOINT_MOUNT, JOB_ID, Job, JobRefused, JobStore, JobSubmission, default_checkpoint_dir,
-    job_log, log_tail, resolve,
+    collapse_progress, job_log, log_tail, resolve,
 )
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.reports import job_usage, money
@@ -136,7 +136,8 @@ class JobsHandler(AccountingHandler):
         hours, cost = job_usage(self.ledger, policy, [r.holding for r in runs if r.holding])
         out = job.as_json()
         out.update({
-            "gpu_hours": format_hours(hours), "cost": str(cost), "currency": policy.billing.currency,
+            # The bills' precision (4 places), on the pages and in `gpupool jobs show` alike.
+            "gpu_hours": hours_text(hours), "cost": str(cost), "currency": policy.billing.currency,
             "checkpoint_dir": job.checkpoint_dir,
             "runs": [{"attempt": r.attempt, "started_at": _when(r.started_at), "ended_at": _when(r.ended_at),
                       "event": r.event, "exit_code": r.exit_code, "counted": r.counted, "reason": r.reason}
@@ -245,7 +246,9 @@ class ActionHandler(JobsHandler):
 
 
 class LogHandler(JobsHandler):
-    """The log from byte `offset` on (at most `LOG_CHUNK`); `X-Log-Offset` is where the next read starts."""
+    """The log from byte `offset` on (at most `LOG_CHUNK`); `X-Log-Offset` is where the next read starts.
+    Progress bars come at their last state (`collapse_progress`); a read ends at a line's end where it can, so
+    a bar is never cut in two but the one still drawing at the log's end."""
 
     @web.authenticated
     def get(self, job_id: str):
@@ -254,19 +257,25 @@ class LogHandler(JobsHandler):
         if not text.isdigit():
             raise web.HTTPError(400, f"offset must be a whole number of bytes, not {text[:20]!r}")
         offset = int(text)
+        # One byte before the offset too: whether the read starts inside a line (a bar still drawing).
+        start = max(0, offset - 1)
         if self.settings["kubernetes"]:  # its pods' output, kept by the hub's job runner (`KubeJobRunner`)
-            data = self.store.read_log(job.id, offset, LOG_CHUNK)
+            data = self.store.read_log(job.id, start, LOG_CHUNK + offset - start)
         else:
             try:
                 with open(job_log(self.settings["state_dir"], job.id), "rb") as log_file:
-                    log_file.seek(offset)
-                    data = log_file.read(LOG_CHUNK)
+                    log_file.seek(start)
+                    data = log_file.read(LOG_CHUNK + offset - start)
             except FileNotFoundError:
                 data = b""
+        continued = offset > 0 and data[:1] not in (b"", b"\n")
+        data = data[offset - start:]
+        if len(data) == LOG_CHUNK and b"\n" in data:
+            data = data[:data.rindex(b"\n") + 1]
         self.set_header("Content-Type", "text/plain; charset=utf-8")
         self.set_header("X-Log-Offset", str(offset + len(data)))
         self.set_header("X-Job-State", job.state)
-        self.finish(data)
+        self.finish(collapse_progress(data, continued))
 
 
 class PageHandler(JobsHandler):
@@ -351,8 +360,9 @@ OPENAPI = {
             "summary": "Resume a suspended job: it goes back to the queue at its place and resumes from its last "
                        "checkpoint", "responses": {"409": {"description": "the job is not suspended"}}}},
         "/api/jobs/{job}/log": {"parameters": [JOB_ID_PARAMETER], "get": {
-            "summary": "The log from byte `offset` on (text/plain); header X-Log-Offset: where to read next; "
-                       "X-Job-State: the job's state",
+            "summary": "The log from byte `offset` on (text/plain), each progress bar at its last state; header "
+                       "X-Log-Offset: where to read next (a line still being drawn at the log's end comes again "
+                       "from there, as \\r and its new state); X-Job-State: the job's state",
             "parameters": [{"name": "offset", "in": "query", "schema": {"type": "integer", "minimum": 0}}]}},
         "/": {"get": {"summary": "The Jobs page (HTML)"}},
         "/jobs/{job}": {"parameters": [JOB_ID_PARAMETER], "get": {"summary": "A job's page (HTML)"}},

@@ -11,7 +11,9 @@ import sqlalchemy as sa
 from pydantic import ValidationError
 
 from gpupool.hub.accounting import db
-from gpupool.hub.accounting.jobs import JobRefused, JobStore, JobSubmission, priority_order, resolve
+from gpupool.hub.accounting.jobs import (
+    JobRefused, JobStore, JobSubmission, collapse_progress, priority_order, resolve,
+)
 from gpupool.hub.accounting.restarts import Ended, Event
 
 T0 = datetime(2026, 12, 4, 9, 0, tzinfo=UTC)
@@ -286,6 +288,24 @@ def test_a_jobs_log_is_its_pieces_in_order_read_from_any_offset_and_counted_per_
     store.keep_log(job.id, "pod-a@1796374800", b"after the rotation\n", T0 + timedelta(seconds=9))
     assert store.log_progress(job.id, "pod-a") == ("pod-a@1796374800", 19, T0 + timedelta(seconds=9))
     assert store.log_progress(job.id, "pod-c") is None and store.log_progress(job.id, "pod") is None
+
+
+def test_a_progress_bar_is_served_at_its_last_state_however_its_pieces_were_kept(store, jobs_policy):
+    # What tqdm writes: "\r" and the bar again at every step, the line ended once, when the bar closes.
+    bar = b"".join(b"\rtraining: %3d%%|" % p + b"#" * (p // 10) + b"|" for p in range(0, 101, 10))
+    job = submit(store, jobs_policy)
+    for piece in (b"epoch 1\r\n", bar[:37], bar[37:200], bar[200:] + b"\n", b"done\n"):  # a pod's output, in pieces
+        store.keep_log(job.id, "pod-a", piece, T0)
+    assert store.log_tail(job.id) == "epoch 1\ntraining: 100%|##########|\ndone"
+    whole = store.read_log(job.id, 0, 1 << 20)
+    assert collapse_progress(whole) == b"epoch 1\ntraining: 100%|##########|\ndone\n"
+    # A reader following the log while the bar draws: each read of the open line gives its state then; one that
+    # starts inside it gives "\r" and the state it is redrawn to (a terminal redraws it), or the text added to it.
+    assert collapse_progress(whole[:whole.index(b"training:  30%")]) == b"epoch 1\ntraining:  20%|##|"
+    assert collapse_progress(b"\rtraining:  10%|#|\rtraining:  20%|##|", continued=True) == b"\rtraining:  20%|##|"
+    assert collapse_progress(b"#|\n", continued=True) == b"#|\n"  # no redraw: the rest of the line as it is
+    assert collapse_progress(b"step 3\r", continued=True) == b"step 3"  # a line end's "\r" erases nothing
+    assert collapse_progress(b"plain\nlines\n", continued=True) == b"plain\nlines\n"
 
 
 def test_concurrent_writers_of_one_jobs_log_lose_no_piece(store, jobs_policy):
