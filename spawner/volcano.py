@@ -28,6 +28,9 @@ DEPRIORITIZED_CLASS = "gpupool-deprioritized"
 DEPRIORITIZED_PRIORITY = -1
 
 SPAWNER_CLASS = "gpupool.spawner.kube.GPUKubeSpawner"
+#: The hub container's command: `gpupool-hub` (JupyterHub with gpupool's pages, routes and job runner) on the
+#: configuration file Zero-to-JupyterHub writes, instead of its plain `jupyterhub`.
+HUB_ARGS = ["gpupool-hub", "--config", "/usr/local/etc/jupyterhub/jupyterhub_config.py"]
 #: Where the hub and the accounting service find the policy files (the policy ConfigMap, mounted).
 POLICY_DIR = "/etc/gpupool/policies"
 POLICY_VOLUME = "gpupool-policies"
@@ -382,6 +385,9 @@ def jupyterhub_values(policy: Policy, release: Release, culler: bool = True) -> 
     most_named = max((team.named_servers for team in policy.teams.values()), default=0)
     return {
         "hub": {
+            # gpupool's hub, as in the embedded mode: its templates (the progress page's Stop of that page's
+            # server), the spawn page that makes no server, the availability route and the training jobs' runner.
+            "args": list(HUB_ARGS),
             "config": config,
             "allowNamedServers": most_named > 0,
             "namedServerLimitPerUser": most_named,

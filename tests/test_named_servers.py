@@ -27,8 +27,9 @@ from gpupool.hub.accounting.periods import period_bounds, period_of, utcnow
 from gpupool.hub.config import Settings, apply_config, named_server_limit
 from gpupool.hub.harness import Browser, Hub, wait_for
 from gpupool.spawner.wiring import sharing_roles
-from gpupool.policies import load_policy
+from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
 from gpupool.policies.sharing import SHARE_CODES_REFUSED, share_refusal
+from gpupool.spawner import volcano
 from gpupool.spawner.volcano import wiring_notes
 
 POLICY = {
@@ -103,6 +104,23 @@ def test_only_teams_that_allow_sharing_get_the_shares_scope(policy, tmp_path):
     }]
     user_role = next(r for r in c.JupyterHub.load_roles if r["name"] == "user")
     assert not [s for s in user_role["scopes"] if s.startswith("shares")]
+
+
+def test_gpupool_hub_serves_gpupool_pages_whatever_its_configuration(monkeypatch):
+    """The Kubernetes hub (z2jh's configuration names no template path) gets the pages the embedded one gets:
+    the progress page whose Stop stops that page's server (issue 33 item 1)."""
+    from jupyterhub.app import JupyterHub
+
+    from gpupool.hub.app import GPUPoolHub
+    from gpupool.hub.config import TEMPLATES
+
+    monkeypatch.setattr(JupyterHub, "init_tornado_settings", lambda self: None)
+    for configured in ([], ["/srv/branding"], [str(TEMPLATES)]):
+        hub = GPUPoolHub(template_paths=list(configured))
+        hub.init_tornado_settings()
+        assert hub.template_paths == list(dict.fromkeys([*configured, str(TEMPLATES)]))
+    assert volcano.jupyterhub_values(load_policy(DEFAULT_POLICY_DIR), volcano.Release())["hub"]["args"][0] == \
+        "gpupool-hub"
 
 
 def test_the_kubernetes_mode_says_that_it_does_not_share(policy):

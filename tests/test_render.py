@@ -228,6 +228,8 @@ def test_jupyterhub_values_wire_the_hub_to_gpupool():
     values = volcano.jupyterhub_values(load_policy(DEFAULT_POLICY_DIR), volcano.Release("gpupool", "jhub"))
     assert values == {
         "hub": {
+            # gpupool's hub (its pages, routes and job runner) on z2jh's configuration file
+            "args": ["gpupool-hub", "--config", "/usr/local/etc/jupyterhub/jupyterhub_config.py"],
             "config": {
                 "JupyterHub": {
                     "spawner_class": "gpupool.spawner.kube.GPUKubeSpawner",
