@@ -104,7 +104,7 @@ class Hub:
 
     def __init__(self, tmp: Path, policy_files: dict[str, str], extra_config: str = "", ledger_url: str | None = None,
                  mlflow_backend_url: str | None = None, mlflow: bool = True, unix_user: str | None = None,
-                 up_args: tuple[str, ...] = ()):
+                 up_args: tuple[str, ...] | None = None):
         self.token = uuid.uuid4().hex
         self.policies = tmp / "policies"
         self.policies.mkdir(parents=True)
@@ -118,7 +118,10 @@ class Hub:
         self.ledger_url = ledger_url or defaults.ledger_url(self.state)
         self.mlflow_backend_url = mlflow_backend_url
         self.mlflow = mlflow  # tests that do not use MLflow start faster without it
-        self.up_args = up_args  # more of `gpupool up`'s arguments, e.g. ("--unsafe-shared-as-user",)
+        # More of `gpupool up`'s arguments. Run by an ordinary user, gpupool is a personal workstation (the admin
+        # alone): the tests' hubs serve several people, so they opt in, unless a test asks for none (`up_args=()`).
+        ordinary = unix_user is not None or os.geteuid() != 0
+        self.up_args = up_args if up_args is not None else ("--unsafe-shared-as-user",) if ordinary else ()
         #: Run `gpupool up` as this ordinary Unix user (the tests run as root) instead of as the tests' user.
         self.unix_user = unix_user
         self.command = platform_command(unix_user)

@@ -717,7 +717,7 @@ def test_19_without_the_opt_in_an_ordinary_users_platform_is_a_personal_workstat
     # A fresh platform of the same ordinary user, as `make up` makes it.
     tmp = Path(tempfile.mkdtemp(prefix="gpupool-journey-workstation-"))
     os.chmod(tmp, 0o755)
-    mine = Hub(tmp, POLICY, unix_user=hub.unix_user, mlflow=False)
+    mine = Hub(tmp, POLICY, unix_user=hub.unix_user, mlflow=False, up_args=())  # no opt-in: `make up`
     if as_user:
         for path in [tmp, *tmp.rglob("*")]:
             os.chown(path, as_user["user"], as_user["group"])
