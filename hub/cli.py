@@ -62,6 +62,12 @@ def _up(args: argparse.Namespace) -> int:
     return up(args)
 
 
+def _down(args: argparse.Namespace) -> int:
+    from gpupool.hub.up import down
+
+    return down(args)
+
+
 def _team(args: argparse.Namespace) -> int:
     from gpupool.hub import up
 
@@ -180,7 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "With this flag it serves several people anyway, with sign-ups (no isolation: every server "
                          "runs as that one Unix user, beside the hub's state; any user can read its secrets and "
                          "become admin). A hub shared by several people runs as root")
+    up.add_argument("--verbose", action="store_true",
+                    help="show the hub's log (its requests, the proxy's and the services' output) here; by default it "
+                         "goes to hub.log in the state folder and the terminal shows only gpupool's own lines")
     up.set_defaults(func=_up)
+
+    down = commands.add_parser(
+        "down", help="stop the platform `gpupool up` runs (its hub, services and proxy); users' servers keep running")
+    down.add_argument("--servers", action="store_true",
+                      help="stop every user's server first (through the hub, as their Stop button does)")
+    down.add_argument("--state-dir", help=STATE_HELP)
+    down.set_defaults(func=_down)
 
     bill = commands.add_parser("bill", help="a team's bill for one month, from the usage ledger")
     bill.add_argument("--team", required=True)

@@ -23,7 +23,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
 #: The scopes of the `gpupool-cli` service (used by `gpupool team add-member`): nothing more.
-CLI_SCOPES = ["admin:groups", "admin:users", "list:users", "read:users", "list:groups", "read:groups"]
+# read:servers and delete:servers: `gpupool down --servers` stops every server through the hub.
+CLI_SCOPES = ["admin:groups", "admin:users", "list:users", "read:users", "list:groups", "read:groups", "read:servers",
+              "delete:servers"]
 
 
 #: Set by `gpupool up --unsafe-shared-as-user`: a hub run by an ordinary Unix user lets several people in anyway.
@@ -175,12 +177,12 @@ def mlflow_service(settings: Settings) -> dict:
     `gpupool` app (mlflow/auth.py) puts the hub login and the team permissions in front of everything.
     """
     state = settings.state_dir
-    mlflow = Path(sys.executable).parent / "mlflow"
     return {
         "name": MLFLOW_SERVICE,
         "url": f"http://127.0.0.1:{settings.mlflow_port}",
+        # `mlflow server` that becomes its uvicorn: one process, not a waiting parent beside it (hub/mlflow_server.py)
         "command": [
-            str(mlflow), "server", "--app-name", "gpupool",
+            sys.executable, "-m", "gpupool.hub.mlflow_server", "--app-name", "gpupool",
             "--serve-artifacts", "--artifacts-destination", str(state / "mlflow-artifacts"),
             "--host", "127.0.0.1", "--port", str(settings.mlflow_port),
             "--static-prefix", MLFLOW_PREFIX.rstrip("/"),

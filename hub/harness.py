@@ -125,6 +125,8 @@ class Hub:
         #: Run `gpupool up` as this ordinary Unix user (the tests run as root) instead of as the tests' user.
         self.unix_user = unix_user
         self.command = platform_command(unix_user)
+        #: The hub's own log into `log` with gpupool's lines (`gpupool up --verbose`): tests read what the hub logged.
+        self.verbose = True
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
         self.log = tmp / "hub.log"
@@ -153,7 +155,7 @@ class Hub:
             [self.command, "up", *self.up_args, "--state-dir", str(self.state), "--port", str(self.port), "--policies", str(self.policies),
              "--ledger-url", self.ledger_url, "--team-root", str(self.team_root),
              *(["--mlflow-backend-url", self.mlflow_backend_url] if self.mlflow_backend_url else []),
-             *([] if self.mlflow else ["--no-mlflow"])],
+             *([] if self.mlflow else ["--no-mlflow"]), *(["--verbose"] if self.verbose else [])],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, **as_user,
         )
         # The hub answers once its managed services are up (MLflow takes a while on a busy machine); `gpupool up`

@@ -8,6 +8,7 @@
 - `stop_stale_services` runs before a hub starts: it stops what an earlier, crashed run left behind, found by
   that record and by the marker every process of a service inherits.
 - `write_platform_record` / `find_state_dir` let the `gpupool` command find the running platform from any folder.
+- `stop_platform` is `gpupool down`: the hub by its record, then what a crashed run left (services, proxy).
 """
 
 from __future__ import annotations
@@ -294,6 +295,53 @@ def stop_stale_services(state: Path) -> list[str]:
     for record_file in (state / "services").glob("*.json"):
         record_file.unlink(missing_ok=True)
     return described
+
+
+def running_hub(state: Path) -> psutil.Process | None:
+    """The hub `gpupool up` runs on `state` (the PID and start time of `hub.json`), or None when none runs."""
+    record = _read_json(state / "hub.json")
+    if not _alive(record.get("pid"), record.get("started")):
+        return None
+    try:
+        return psutil.Process(record["pid"])
+    except psutil.Error:
+        return None
+
+
+def left_proxy(state: Path) -> psutil.Process | None:
+    """The proxy a hub on `state` started (`state/proxy.pid`), when it still runs: a crashed hub leaves it."""
+    try:
+        process = psutil.Process(int((state / "proxy.pid").read_text()))
+        # The file outlives its proxy: the PID may since be another program's.
+        if _running(process) and "configurable-http-proxy" in " ".join(process.cmdline()):
+            return process
+    except (OSError, ValueError, psutil.Error):
+        pass
+    return None
+
+
+def stop_platform(state: Path, timeout: float = 120) -> list[str]:
+    """Stop the platform on `state`: its hub (SIGTERM: it stops its services and proxy, and leaves users'
+    servers running, `cleanup_servers = False`), then whatever of it is still left (the services and proxy of
+    a crashed hub, or of one that did not end within `timeout`). What was stopped, in words."""
+    stopped = []
+    hub = running_hub(state)
+    if hub is not None:
+        hub.terminate()
+        if _wait_gone([hub], timeout):
+            _kill_all([hub])
+            stopped.append(f"the hub (pid {hub.pid}, killed after {timeout:.0f} s)")
+        else:
+            stopped.append(f"the hub (pid {hub.pid})")
+    services = stop_stale_services(state)
+    if services:
+        stopped.append(f"{len(services)} service process(es) left running")
+    proxy = left_proxy(state)
+    if proxy is not None:
+        proxy.terminate()
+        _kill_all(_wait_gone([proxy], STOP_GRACE_S))
+        stopped.append(f"the proxy (pid {proxy.pid})")
+    return stopped
 
 
 def ports_in_use(ports: dict[int, str]) -> list[str]:

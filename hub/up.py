@@ -1,4 +1,5 @@
-"""`gpupool up` (run the embedded platform) and `gpupool team add-member` (through the hub's REST API)."""
+"""`gpupool up` (run the embedded platform), `gpupool down` (stop it) and `gpupool team …` (through the hub's
+REST API)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pwd
 import secrets
 import select
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -122,7 +124,18 @@ def up(args: argparse.Namespace) -> int:
     }
     # JupyterHub with gpupool's share rule in front of its share routes (gpupool.hub.app).
     jupyterhub = Path(sys.executable).parent / "gpupool-hub"
-    announce_when_ready(url, login, lock)
+    # The hub's own log (its requests, the proxy's routes, the services' output: hundreds of lines at each
+    # start) goes to a file unless asked for: the terminal keeps what the admin acts on.
+    log = None if getattr(args, "verbose", False) else state / "hub.log"
+    login += (f"\ngpupool: the hub's log is in {log} (`gpupool up --verbose` shows it here)" if log else "")
+    login += ("\ngpupool: to stop: Ctrl-C here, or `gpupool down` from any folder; users' servers keep running "
+              "(the next `gpupool up` takes them back), `gpupool down --servers` stops them too")
+    announce_when_ready(url, login, lock, log)
+    if log is not None:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     os.chdir(state)
     # JupyterHub takes over this process (its PID is the one `gpupool up` was started as, and it keeps the
     # state lock); the services it starts are supervised (gpupool.hub.lifecycle) and die with it.
@@ -142,14 +155,19 @@ def who_logs_in(admin: str, shared_as_user: bool) -> str:
             "to a team with `gpupool team add-member TEAM USER` or on the admin page (groups)")
 
 
-def announce_when_ready(url: str, text: str, lock: int) -> None:
+def announce_when_ready(url: str, text: str, lock: int, log: Path | None = None) -> None:
     """Print `text` once the hub answers at `url` through its proxy, from a helper process that ends with the hub.
 
     Until the hub has started its services and registered its routes, the proxy answers 404: a login line
     printed before that sends people to an error page. The helper is forked twice and its first fork reaped
     here, so the hub (which this process becomes) is left no child to reap; it watches the hub through a
     pidfd, which is readable once the hub has exited.
+
+    With the hub's output going to `log`, the helper shows on the terminal what gpupool itself says there while
+    the hub starts (its warnings and refusals, lines beginning with `gpupool`), and, should the hub end before
+    it answers, the end of its log.
     """
+    start = log.stat().st_size if log is not None and log.exists() else 0
     hub = os.pidfd_open(os.getpid())
     middle = os.fork()
     if middle:
@@ -160,17 +178,41 @@ def announce_when_ready(url: str, text: str, lock: int) -> None:
         if os.fork():
             return  # the middle process: its exit re-parents the helper away from the hub
         os.close(lock)  # the lock belongs to the hub alone
+        relayed = start
         while not select.select([hub], [], [], 0)[0]:
+            relayed = _relay_gpupool_lines(log, relayed)
             try:
                 with urllib.request.urlopen(url.rstrip("/") + "/hub/api/", timeout=5) as response:
                     if response.status == 200:
                         print(text, flush=True)
-                        break
+                        return
             except (OSError, ValueError):
                 pass
             select.select([hub], [], [], 0.5)
+        if log is not None:
+            _relay_gpupool_lines(log, relayed)
+            lines = log.read_bytes()[start:].decode(errors="replace").splitlines()[-25:]
+            print(f"gpupool: the hub ended before it answered; the end of its log ({log}):", *lines, sep="\n",
+                  file=sys.stderr, flush=True)
     finally:
         os._exit(0)
+
+
+def _relay_gpupool_lines(log: Path | None, offset: int) -> int:
+    """Print the whole lines of `log` from `offset` that gpupool itself wrote; the offset after them."""
+    if log is None:
+        return offset
+    try:
+        with log.open("rb") as f:
+            f.seek(offset)
+            new = f.read()
+    except OSError:
+        return offset
+    done = new.rfind(b"\n") + 1
+    for line in new[:done].decode(errors="replace").splitlines():
+        if line.startswith("gpupool"):
+            print(line, flush=True)
+    return offset + done
 
 
 def hub_api(state: Path, method: str, path: str, body: dict | None = None) -> tuple[int, dict | None]:
@@ -191,6 +233,71 @@ def hub_api(state: Path, method: str, path: str, body: dict | None = None) -> tu
             return error.code, json.loads(text)
         except ValueError:
             return error.code, {"message": text.decode(errors="replace")}
+
+
+def stop_every_server(state: Path, timeout: float = 300) -> list[str]:
+    """Ask the hub to stop every user's server, named ones and waiting requests included, and wait until none is
+    left; the servers stopped, as USER or USER/SERVER. Through the REST API, so that each stop is the hub's own
+    (the ledger closes its interval, the pool gives its share back) as when its user presses Stop."""
+    asked: list[str] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        # Asked again until none is left: the hub answers a page of users at a time (api_page_default_limit).
+        status, users = hub_api(state, "GET", "/users?state=active")
+        if status >= 400:
+            raise RuntimeError(f"the hub refused to list the servers: {(users or {}).get('message') or status}")
+        left = [(user["name"], name) for user in users or [] for name in user.get("servers") or {}]
+        if not left:
+            return asked
+        for user, name in left:
+            label = f"{user}/{name}" if name else user
+            if label in asked:
+                continue
+            status, reply = hub_api(state, "DELETE", f"/users/{user}/servers/{name}" if name else f"/users/{user}/server")
+            if status >= 400 and status != 404:  # 404: it ended meanwhile
+                raise RuntimeError(f"the hub refused to stop {label}: {(reply or {}).get('message') or status}")
+            asked.append(label)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"these servers did not stop within {timeout:.0f} s: "
+                               + ", ".join(f"{u}/{n}" if n else u for u, n in left))
+        time.sleep(0.5)
+
+
+def down(args: argparse.Namespace) -> int:
+    """`gpupool down`: stop the platform `gpupool up` runs (its hub, services and proxy); with --servers, first
+    every user's server, which a stopped hub otherwise leaves running for the next `gpupool up` to re-adopt."""
+    try:
+        state = lifecycle.find_state_dir(args.state_dir, running=False)
+    except lifecycle.NoPlatform as error:
+        print(f"gpupool down: {error}", file=sys.stderr)
+        return 1
+    if not os.access(state, os.R_OK | os.X_OK):
+        print(f"gpupool down: {state} is not this user's to read: run `gpupool down` as the user who started the "
+              f"platform, or as root", file=sys.stderr)
+        return 1
+    hub = lifecycle.running_hub(state)
+    if hub is not None and args.servers:
+        try:
+            servers = stop_every_server(state)
+        except (urllib.error.URLError, RuntimeError) as error:
+            print(f"gpupool down: {getattr(error, 'reason', error)}; the platform still runs (retry, or stop the "
+                  f"servers on the admin page)", file=sys.stderr)
+            return 1
+        print(f"gpupool down: stopped {len(servers)} server(s)" + (f": {', '.join(servers)}" if servers else ""))
+    try:
+        stopped = lifecycle.stop_platform(state)
+    except psutil.AccessDenied:
+        print(f"gpupool down: the platform on {state} runs as another user (pid {hub.pid if hub else '?'}): run "
+              f"`gpupool down` as that user or as root", file=sys.stderr)
+        return 1
+    if not stopped:
+        print(f"gpupool down: nothing of gpupool runs on {state}")
+        return 0
+    print(f"gpupool down: stopped {'; '.join(stopped)} of the platform on {state}")
+    if hub is not None and not args.servers:
+        print("gpupool down: users' servers and jobs keep running (the next `gpupool up` re-adopts them); "
+              "`gpupool down --servers` stops them too")
+    return 0
 
 
 def platform_state(args: argparse.Namespace) -> Path | None:

@@ -194,8 +194,16 @@ def listening_on(ports: set[int]) -> list[psutil.Process]:
     return found
 
 
-def test_after_a_hub_crash_gpupool_up_serves_fresh_services_and_nothing_old_listens(tmp_path):
-    hub = Hub(tmp_path, POLICY)
+def server_pid(hub: Hub, name: str) -> int:
+    return hub.api("GET", f"/users/{name}").json()["servers"][""]["state"]["pid"]
+
+
+def test_after_a_hub_crash_gpupool_up_serves_fresh_services_and_gpupool_down_stops_it(tmp_path):
+    """Also `make up`'s terminal (the hub's log in a file, one block to act on) and `gpupool down`."""
+    hub = Hub(tmp_path, POLICY, 'c.LocalGPUSpawner.run_as = "self"  # per-user system accounts: test_system_users.py')
+    hub.verbose = False  # what `make up` shows: the harness's log is the terminal
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
     seen = {}
 
     def open_the_printed_url():
@@ -212,6 +220,16 @@ def test_after_a_hub_crash_gpupool_up_serves_fresh_services_and_nothing_old_list
         hub.start()
         opener.join()
         assert seen.get("login") == 200, f"the URL answers once the login line is printed, not {seen}"
+        # The terminal: a few lines of gpupool's own, ending with one block: the URL, the admin's login, the log
+        # file, how to stop. The hub's own log is in the state folder.
+        terminal = hub.log.read_text()
+        lines = terminal.splitlines()
+        assert len(lines) <= 12 and all(line.startswith(("gpupool", " ")) for line in lines), terminal
+        block = terminal[terminal.index("gpupool: open "):]
+        assert f"open {hub.url}/ and log in as 'admin' with the password {hub.admin_password()}" in block
+        assert f"the hub's log is in {hub.state / 'hub.log'}" in block, block
+        assert "Ctrl-C here, or `gpupool down`" in block and "`gpupool down --servers`" in block, block
+        assert "JupyterHub" in (hub.state / "hub.log").read_text()
         # The helper that printed the line leaves the hub no exited child to reap (no zombie per `gpupool up`).
         zombies = [c for c in psutil.Process(hub.process.pid).children() if c.status() == psutil.STATUS_ZOMBIE]
         assert not zombies, zombies
@@ -222,6 +240,11 @@ def test_after_a_hub_crash_gpupool_up_serves_fresh_services_and_nothing_old_list
         old = listening_on(ports)
         assert {"gpupool.hub.accounting.service", "uvicorn"} <= {
             part for p in old for part in p.cmdline()}
+        # MLflow at rest is one process, its uvicorn, beside its supervisor (`mlflow server` waiting for a uvicorn
+        # child held 232 MiB for nothing: issue 33)
+        mlflow = [p.cmdline() for p in service_processes(hub.state)  # (the supervisor carries no marker)
+                  if p.environ()[lifecycle.MARKER].endswith("\x1fmlflow")]
+        assert len(mlflow) == 1 and "uvicorn" in mlflow[0], mlflow
         proxy = psutil.Process(int((hub.state / "proxy.pid").read_text()))
 
         # A second platform on the same state folder is refused while this one runs.
@@ -241,9 +264,40 @@ def test_after_a_hub_crash_gpupool_up_serves_fresh_services_and_nothing_old_list
         assert not proxy.is_running(), "the old proxy was replaced"
         new = listening_on(ports)
         assert new and not {p.pid for p in new} & {p.pid for p in old}, "the services' ports are the new run's"
+
+        # `gpupool down` from another folder stops the hub, its services and proxy, and leaves alice's server.
+        hub.add_user("alice", "vision")
+        assert hub.api("POST", "/users/alice/server").status_code in (201, 202)
+        hub.wait_ready("alice")
+        server = psutil.Process(server_pid(hub, "alice"))
+        proxy = psutil.Process(int((hub.state / "proxy.pid").read_text()))
+        services = service_processes(hub.state)
+        down = hub.cli("down", cwd=elsewhere)
+        assert down.returncode == 0, down.stderr
+        assert hub.process.wait(30) is not None, "the hub has ended when `gpupool down` returns"
+        assert not alive([proxy, *services]) and not alive(service_processes(hub.state)), down.stdout
+        assert alive([server]), "a user's server keeps running"
+        assert "users' servers and jobs keep running" in down.stdout and "--servers" in down.stdout, down.stdout
+
+        # Started again, the hub takes the server back; `gpupool down --servers` stops it too.
+        hub.start()
+        hub.wait_ready("alice")
+        assert server_pid(hub, "alice") == server.pid
+        down = hub.cli("down", "--servers", cwd=elsewhere)
+        assert down.returncode == 0, down.stderr
+        assert "stopped 1 server(s): alice" in down.stdout, down.stdout
+        hub.process.wait(30)
+        wait_for(lambda: not alive([server]), 60, "alice's server ending")
+        assert not alive(service_processes(hub.state))
+        with pytest.raises(requests.ConnectionError):  # nothing listens: the hub and its proxy are gone
+            requests.get(f"{hub.url}/hub/api/", timeout=10)
+
+        again = hub.cli("down", cwd=elsewhere)
+        assert again.returncode == 0 and "nothing of gpupool runs" in again.stdout, again.stdout + again.stderr
     finally:
         hub.stop()
         opener.join(5)
         for process in service_processes(hub.state):
             process.kill()
+        hub.kill_leftovers()
     assert not alive(service_processes(hub.state)), "a clean stop ends every service process"

@@ -62,3 +62,10 @@ def test_every_relative_link_and_anchor_resolves(path):
         if not linked.exists() or (fragment and linked.suffix == ".md" and fragment not in anchors(linked)):
             broken.append(target)
     assert broken == []
+
+
+def test_the_readme_says_how_to_stop_and_what_keeps_running():
+    text = README.read_text()
+    stopping = text[text.index("## Starting and stopping"):text.index("## Running as root or not")]
+    assert "`gpupool down`" in stopping and "Ctrl-C" in stopping and "`gpupool down --servers`" in stopping
+    assert "keep running" in stopping

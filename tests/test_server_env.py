@@ -206,7 +206,7 @@ def up_alone(tmp: Path, server_env: str, *args: str) -> tuple[subprocess.Popen, 
     env = {**os.environ, "GPUPOOL_SERVER_ENV": server_env}
     env.pop("GPUPOOL_UNSAFE_SINGLE_USER", None)
     process = subprocess.Popen([GPUPOOL, "up", "--state-dir", str(state), "--port", str(_port()), "--no-mlflow",
-                                "--team-root", str(tmp / "teams"), *args],
+                                "--team-root", str(tmp / "teams"), "--verbose", *args],
                                stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return process, log
 
