@@ -46,13 +46,30 @@ async def _hub_answers(client: AsyncHTTPClient, api_url: str, deadline: float) -
     return False
 
 
+def _retry_after(error: HTTPClientError) -> float:
+    """The seconds a 429 asks to wait (JupyterHub sends a whole number), 5 if it does not say, 30 at most."""
+    try:
+        return min(float(error.response.headers.get("Retry-After", 5)) if error.response else 5.0, 30.0)
+    except ValueError:
+        return 5.0
+
+
 async def _ask_again(client: AsyncHTTPClient, pool: LocalPool, api_url: str, token: str, entry: Queued, log) -> None:
     key = entry.request.key
     request = HTTPRequest(api_url + server_path(key), method="POST", body=json.dumps(entry.options),
                           headers={"Authorization": f"token {token}", "Content-Type": "application/json"},
                           request_timeout=120)
+    deadline = time.monotonic() + HUB_WAIT_S
     try:
-        await client.fetch(request)
+        while True:
+            try:
+                await client.fetch(request)
+                break
+            except HTTPClientError as error:
+                # JupyterHub's concurrent_spawn_limit (users starting servers meanwhile): it says when to ask again
+                if error.code != 429 or time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(_retry_after(error))
         log.info("%s is back in the queue after the restart", key)
     except HTTPClientError as error:
         try:
