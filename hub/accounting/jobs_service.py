@@ -103,7 +103,6 @@ def workdir_problem(workdir: str, user: str, teams: list[str], as_users: bool) -
             f"`workdir` (`--workdir` of `gpupool jobs submit`; default: your home)")
 
 
-
 def _when(moment: datetime | None) -> str | None:
     return moment.isoformat().replace("+00:00", "Z") if moment is not None else None
 
