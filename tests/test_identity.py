@@ -154,3 +154,18 @@ def test_a_personal_workstation_refuses_a_hub_that_knows_other_people(tmp_path):
     assert "as root" in problem
     problem = workstation_problem(f"sqlite:///{tmp_path / 'none.sqlite'}", _settings(tmp_path, "[cleo]"))
     assert problem is not None and "cleo" in problem  # the policies' members would become hub users at start
+
+
+def test_up_refuses_the_shared_as_user_opt_in_as_root(tmp_path):
+    """As root the hub is shared safely already (each server as its own user): the flag would only mislead."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root")
+    done = subprocess.run([Path(sys.executable).parent / "gpupool", "up", "--unsafe-shared-as-user", "--state-dir",
+                           str(tmp_path / "state")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and "leave the flag out" in done.stderr, done.stderr
+    assert not (tmp_path / "state").exists()
