@@ -78,7 +78,8 @@ def _locked_record(path: Path):
             os.replace(temporary, path)
 
 
-def claim_machine(state_dir: str | Path, record_path: str | Path = DEFAULT_RECORD, take_over: bool = False) -> str | None:
+def claim_machine(state_dir: str | Path, record_path: str | Path = DEFAULT_RECORD,
+                  take_over: bool = False) -> str | None:
     """Record that gpupool's accounts and groups on this machine are the platform's in `state_dir`; or, when another
     platform's state folder still exists, why it may not start (None: claimed). A record of a platform whose state
     folder is gone is taken over (a reinstall keeps its users' uids); so is any with `take_over`."""
@@ -87,9 +88,10 @@ def claim_machine(state_dir: str | Path, record_path: str | Path = DEFAULT_RECOR
     with _locked_record(record_path) as record:
         owner = record.get("platform")
         if owner and owner != state and Path(owner).is_dir() and not take_over:
-            return (f"this machine's gpupool accounts and team groups (gp-USER, gpteam-TEAM, recorded in {record_path}) "
-                    f"belong to the platform whose state folder is {owner}. One machine runs one gpupool platform as "
-                    f"root: a second would share them (a user of one could read the other's team folders and homes). "
+            return (f"this machine's gpupool accounts and team groups (gp-USER, gpteam-TEAM, recorded in "
+                    f"{record_path}) belong to the platform whose state folder is {owner}. One machine runs one "
+                    f"gpupool platform as root: a second would share them (a user of one could read the other's team "
+                    f"folders and homes). "
                     f"Run that platform (`gpupool up --state-dir {owner}`), or, if it is gone for good, remove its "
                     f"state folder {owner}: its users' accounts, team groups and their files then pass to this one")
         record["platform"] = state
