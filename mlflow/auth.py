@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from http.cookies import SimpleCookie
 from urllib.parse import parse_qs, quote, urlencode
 
@@ -24,10 +24,12 @@ import anyio
 import psutil
 
 from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.ledger import JOB_RUN_PREFIX
+from gpupool.hub.accounting.ledger import JOB_RUN_PREFIX, run_server
 from gpupool.mlflow.cost import COST_TAGS, run_cost
 from gpupool.mlflow.permissions import (
     AUTHOR_TAG,
+    RUN_CONTEXT_TAGS,
+    SERVER_TAG_PREFIX,
     TEAM_TAG,
     Refused,
     Viewer,
@@ -36,6 +38,7 @@ from gpupool.mlflow.permissions import (
     check_location,
     relative_segments,
     route_of,
+    run_context,
     team_for_model,
     team_for_new,
     viewer_of,
@@ -54,10 +57,6 @@ POLICY_RECHECK_SECONDS = 1.0
 TOKEN_COOKIE = "gpupool-mlflow-token"
 STATE_COOKIE = "gpupool-mlflow-oauth-state"
 TERMINAL_STATUSES = {"FINISHED", "FAILED", "KILLED"}
-#: Tags only the server writes: team ownership, alias history, run cost.
-SERVER_TAG_PREFIX = "gpupool."
-RUN_CONTEXT_TAGS = {"gpupool.user", "gpupool.team", "gpupool.profile", "gpupool.gpu_model", "gpupool.share",
-                    "gpupool.job"}
 #: GraphQL root fields the UI uses, and the argument each is checked by.
 GRAPHQL_FIELDS = {
     "mlflowGetExperiment": ("experimentId", "experiment"),
@@ -131,9 +130,13 @@ class Stores:
         finally:
             self._here.remembered_only = False
 
-    def _store(self, get):
+    def may_read(self) -> None:
+        """`NeedsDatabase` where only remembered look-ups may be used (the ledger's database too)."""
         if getattr(self._here, "remembered_only", False):
             raise NeedsDatabase()
+
+    def _store(self, get):
+        self.may_read()
         return get()
 
     @property
@@ -252,6 +255,12 @@ class Request:
         self.params()[name] = value
         self._body_is_params = False
 
+    def drop_param(self, name: str) -> None:
+        """Leave a JSON parameter out of what MLflow gets (re-encoded without it)."""
+        if name in self.params():
+            del self.params()[name]
+            self._body_is_params = False
+
     def forget_params(self) -> None:
         """Parse the body again at the next `params()`: a decision started over begins from the request as sent."""
         self.json_body, self._body_is_params = None, False
@@ -281,6 +290,10 @@ class Decision:
         self.page = None  # callable(bytes) -> bytes, for the UI's HTML page
 
 
+def _now_ms() -> int:
+    return int(periods.utcnow().timestamp() * 1000)
+
+
 def _id_of(params: dict, *names: str):
     for name in names:
         if params.get(name) not in (None, ""):
@@ -298,10 +311,11 @@ def _tags_param(params: dict, name: str = "tags") -> list[dict]:
 class Gate:
     """The checks, given a viewer and the stores; `decide` raises `Refused` or returns a `Decision`."""
 
-    def __init__(self, stores: Stores, policy_dir: str, ledger_url: str):
+    def __init__(self, stores: Stores, policy_dir: str, ledger_url: str, hub_home: str = "/hub/home"):
         self.stores = stores
         self.policy_dir = policy_dir
         self.ledger_url = ledger_url
+        self.page = ui_page(hub_home)
         self._ledger = None
         self._policy, self._policy_checked = None, 0.0
 
@@ -335,7 +349,7 @@ class Gate:
         kind, _, action = rule.partition(":")
         if rule in ("ui", "any"):
             if request.path == "/":
-                decision.page = _quiet_page
+                decision.page = self.page
             return decision
         if kind == "answer":
             decision.answer = answer(action, viewer)
@@ -368,6 +382,8 @@ class Gate:
             self.need(viewer, s.experiment_team(experiment_id), "such experiment")
             if params.get("new_name") is not None:  # a rename may not take another team's name either
                 team_for_new(viewer, params["new_name"], None, list(self.policy.teams))
+            if action == "write" and "tags" in params:  # a new logged model: tagged by the run-context plugin too
+                request.set_param("tags", self.context_tags(viewer, _tags_param(params)))
             if action == "write-tag":
                 self.reserved_key(viewer, params.get("key"))
                 if params.get("key") == TEAM_TAG:  # an admin moved it to another team
@@ -382,25 +398,27 @@ class Gate:
             self.need(viewer, s.experiment_team(_id_of(params, "experiment_id")), "such experiment")
             # The run's author is the caller, whatever the client says (MLflow's client sends the local
             # login, which in a server may be anyone's): MLflow's user_id and its `mlflow.user` tag too.
-            tags = [t for t in _tags_param(params) if t.get("key") not in ("gpupool.user", AUTHOR_TAG)]
-            for tag in tags:
-                self.reserved_key(viewer, tag.get("key"), allowed=RUN_CONTEXT_TAGS)
-            request.set_param("tags", tags + [{"key": "gpupool.user", "value": viewer.name},
-                                              {"key": AUTHOR_TAG, "value": viewer.name}])
+            request.set_param("tags", self.context_tags(viewer, _tags_param(params)))
             request.set_param("user_id", viewer.name)
+            # A run's window prices it (`tag_cost`): its start and end are the server's clock, not the client's.
+            request.set_param("start_time", _now_ms())
         elif kind == "run":
             run_id = _id_of(params, "run_id", "run_uuid")
             self.need(viewer, s.run_team(run_id), "such run")
             if action == "write-tag":
-                self.reserved_key(viewer, params.get("key"))
+                self.reserved_key(viewer, params.get("key"), admins=False)
             elif action == "write-batch":
                 for tag in _tags_param(params):
-                    self.reserved_key(viewer, tag.get("key"))
+                    self.reserved_key(viewer, tag.get("key"), admins=False)
             elif action == "update":
                 if "user_id" in params:
                     raise Refused(400, "a run's user_id is its author, set by gpupool when the run is created; "
                                        "runs/update accepts run_id, status, end_time and run_name")
-                if params.get("status") in TERMINAL_STATUSES:
+                # The end is the server's clock when the run ends (a client's end_time is left out: it would
+                # choose the window its cost is priced over); a run that had ended keeps its end.
+                request.drop_param("end_time")
+                if params.get("status") in TERMINAL_STATUSES and s.run(run_id).info.status not in TERMINAL_STATUSES:
+                    request.set_param("end_time", _now_ms())
                     decision.after = lambda body: self.tag_cost(str(run_id))
         elif rule == "runs:read":
             ids = request.list_param("run_ids")
@@ -410,6 +428,7 @@ class Gate:
                 self.need(viewer, s.run_team(run_id), "such run")
         elif kind == "logged-model":
             self.need(viewer, s.logged_model_team(args[0]), "such logged model")
+            self.reserved_tags(viewer, request, args[1:])
         elif rule == "model:rename":
             team = s.model_team(params.get("name"))
             self.need(viewer, team, "such registered model")
@@ -440,15 +459,83 @@ class Gate:
 
     # --- the checks -----------------------------------------------------------------------------------
 
-    def reserved_key(self, viewer: Viewer, key: object, allowed=frozenset()) -> None:
+    def reserved_key(self, viewer: Viewer, key: object, allowed=frozenset(), admins: bool = True) -> None:
+        """Refuse a client's write of a tag gpupool writes; `admins`: whether admins may (they move an experiment
+        or a model to another team by its tag; a run's tags are facts about it, for nobody to set)."""
         if not isinstance(key, str):
             raise Refused(400, "a tag needs a string key")
         if key == AUTHOR_TAG:  # for admins too: who ran a run is a fact, not a setting
             raise Refused(403, f"{AUTHOR_TAG!r} is the run's author, set by gpupool to the user who created the "
                                "run; it cannot be set or removed")
-        if key.startswith(SERVER_TAG_PREFIX) and key not in allowed and not viewer.admin:
-            raise Refused(403, f"tags starting with {SERVER_TAG_PREFIX!r} are written by gpupool itself "
-                               f"(ownership, alias history, cost); {key!r} cannot be set or removed")
+        if key.startswith(SERVER_TAG_PREFIX) and key not in allowed and not (admins and viewer.admin):
+            raise Refused(403, f"{key} is set by the platform: tags starting with {SERVER_TAG_PREFIX!r} are "
+                               "written by gpupool itself (ownership, what a run ran on, alias history, cost) and "
+                               "cannot be set or removed")
+
+    def context_tags(self, viewer: Viewer, tags: list[dict]) -> list[dict]:
+        """The tags of a new run or logged model: the client's own, what it ran on (`run_context`: the platform's
+        facts, checked against what the client sent), and who made it (the caller). Any other `gpupool.` tag: 403."""
+        sent = {}
+        kept = []
+        for tag in tags:
+            key = tag.get("key")
+            if key in ("gpupool.user", AUTHOR_TAG):
+                continue
+            if key in RUN_CONTEXT_TAGS:
+                if key in sent:
+                    raise Refused(400, f"at most one {key} tag")
+                sent[key] = tag.get("value")
+            else:
+                self.reserved_key(viewer, key, admins=False)
+                kept.append(tag)
+        facts, source = self.run_facts(viewer, sent.get("gpupool.job"))
+        context = run_context(viewer, sent, facts, source, self.policy) if sent else dict(facts or {})
+        return (kept + [{"key": key, "value": value} for key, value in context.items()]
+                + [{"key": "gpupool.user", "value": viewer.name}, {"key": AUTHOR_TAG, "value": viewer.name}])
+
+    def reserved_tags(self, viewer: Viewer, request: Request, keys: tuple[str, ...] = ()) -> None:
+        """The `tags` of a request, and tag keys in its path, checked by `reserved_key`."""
+        for key in keys:
+            self.reserved_key(viewer, key)
+        if request.method != "GET":
+            for tag in _tags_param(request.params()):
+                self.reserved_key(viewer, tag.get("key"))
+
+    def run_facts(self, viewer: Viewer, job_id: object) -> tuple[dict[str, str] | None, str]:
+        """What the ledger knows about where a new run of `viewer`'s comes from, and its name (`run_context`).
+
+        A server's own token names its server (`Viewer.servers`): its open ledger interval says the team, profile,
+        card model and share (none: it holds no GPU). Other tokens (a job's token is a plain token of its user)
+        name nothing; a `gpupool.job` sent by the client is accepted when it is a job of the caller's that has not
+        ended, whose record says the rest. A caller can so claim only a job of their own that runs now.
+        """
+        if len(viewer.servers) == 1:
+            server = viewer.servers[0]
+            source = f"server {viewer.name}/{server}"
+            self.stores.may_read()
+            now = periods.utcnow()
+            for interval in self.ledger.intervals_overlapping(now, now + timedelta(seconds=1), user=viewer.name):
+                if interval.is_open and interval.kind == "server" and run_server(interval.run or "") == server:
+                    return {"gpupool.team": interval.team, "gpupool.profile": interval.profile,
+                            "gpupool.gpu_model": interval.model, "gpupool.share": str(interval.share)}, source
+            return {"gpupool.share": "0"}, source  # every share a server holds is in the ledger
+        if job_id is None:
+            return None, "this token"
+        from gpupool.hub.accounting.jobs import JobStore
+        from gpupool.policies.resources import profile_share
+
+        self.stores.may_read()
+        job = JobStore(self.ledger.engine).get(job_id) if isinstance(job_id, str) else None
+        if job is None or job.user != viewer.name or job.ended:
+            raise Refused(403, f"gpupool.job is set by the platform: {job_id!r} is no running training job of "
+                               f"{viewer.name}'s")
+        facts = {"gpupool.job": job.id, "gpupool.team": job.team, "gpupool.profile": job.profile}
+        profile = self.policy.profiles.get(job.profile)
+        if profile is not None:
+            facts["gpupool.share"] = str(profile_share(profile, self.policy))
+            if profile.gpu is not None:
+                facts["gpupool.gpu_model"] = profile.gpu.model
+        return facts, f"job {job.id}"
 
     def create_owned(self, viewer: Viewer, request: Request, what: str) -> None:
         params = request.params()
@@ -625,16 +712,54 @@ class Gate:
 #: The UI's own first-visit flags (its localStorage keys), set on the first page unless the user has them: MLflow's
 #: assistant panel opens by itself on a first visit from localhost (where a one-machine hub is often opened) but
 #: runs a coding agent on the server's host, which gpupool leaves without providers; the UI's telemetry notice
-#: and switch concern telemetry that is off on a private platform.
+#: and switch concern telemetry that is off on a private platform; the model registry's first visit opens a
+#: promotion of its own new page over the list.
 _UI_FLAGS = (("mlflow.assistant.fab.autoOpenedOnFirstLoad_v1", "true"),
              ("mlflow.telemetry.info.alert.dismissed_v1", "true"),
-             ("mlflow.settings.telemetry.enabled_v1", "false"))
-_UI_FLAGS_SCRIPT = ("<script>try{" + json.dumps([list(f) for f in _UI_FLAGS]) + ".forEach(function(f){"
-                    "localStorage.getItem(f[0])===null&&localStorage.setItem(f[0],f[1])})}catch(e){}</script>")
+             ("mlflow.settings.telemetry.enabled_v1", "false"),
+             ("_mlflow_model_registry_promo_modal_dismissed_v1", "true"))
+#: MLflow 3's UI opens in its GenAI mode (traces, prompts, the MCP registry, the AI gateway), all routes gpupool
+#: refuses; its "Model training" mode shows what gpupool serves: experiments, runs and the model registry. The mode
+#: is the UI's own setting (this localStorage key; MLflow has no server setting for it), set on every visit.
+_UI_MODE = ("mlflow.workflowType_v1", json.dumps("machine_learning"))
+#: What stays hidden: the mode switch, Home (MLflow's GenAI landing page: its "Start Demo" generates traces and
+#: prompts), Settings (LLM connections, webhooks), an experiment's traces and the assistant (its button and
+#: panel). The logo, which leads Home, leads nowhere.
+_UI_HIDDEN = ('aside>div[tooltip-data-state]:has(>div[role="button"]),aside li:has(>a[href="#/"]),'
+              'aside li:has(>a[href^="#/settings"]),aside li:has(>a[href*="/traces"]),aside a[href*="/traces"],'
+              '[data-assistant-ui],[data-component-id^="mlflow.assistant."],[data-component-id^="mlflow.home."]'
+              '{display:none!important}aside a[href="#/"]{pointer-events:none}')
+#: Home, opened by its address or the back button, shows the experiments instead.
+_UI_HOME_SCRIPT = ('(function(){function go(){var h=location.hash;if(h===""||h==="#"||h==="#/"||h.slice(0,3)==="#/?")'
+                   'location.replace("#/experiments")}go();addEventListener("hashchange",go)})();')
+#: The way back to the hub: a link after the sidebar's Model registry, styled as its neighbours (put back whenever
+#: the UI redraws its sidebar).
+_UI_HUB_LINK_SCRIPT = (
+    'addEventListener("DOMContentLoaded",function(){function add(){var ul=document.querySelector("aside nav ul");'
+    'if(!ul||document.getElementById("gpupool-hub-link"))return;var like=ul.querySelector("a:not([aria-current])"),'
+    'icon=like&&like.querySelector("span[role=img]"),li=document.createElement("li"),a=document.createElement("a");'
+    'a.id="gpupool-hub-link";a.href=GPUPOOL_HUB_HOME;a.title="Back to the hub: servers, jobs, usage";'
+    'if(like)a.className=like.className;'
+    'a.innerHTML=\'<span role="img" aria-hidden="true"><svg width="1em" height="1em" viewBox="0 0 16 16" '
+    'fill="currentColor"><path d="M7.78 3.22 8.84 4.28 5.87 7.25H14v1.5H5.87l2.97 2.97-1.06 1.06L2.94 8z"/></svg>'
+    '</span>Hub home\';if(icon)a.firstChild.className=icon.className;li.appendChild(a);ul.appendChild(li)}'
+    'new MutationObserver(add).observe(document.body,{childList:true,subtree:true});add()});')
 
 
-def _quiet_page(html: bytes) -> bytes:
-    return html.replace(b"<head>", b"<head>" + _UI_FLAGS_SCRIPT.encode(), 1)
+def ui_page(hub_home: str):
+    """What the gpupool app does to MLflow's index.html: the snippets above, at the start of its head (before
+    MLflow's scripts read the flags), with `hub_home` the hub's home page."""
+    snippet = ("<style>" + _UI_HIDDEN + "</style><script>try{"
+               + json.dumps([list(f) for f in _UI_FLAGS]) + ".forEach(function(f){"
+               "localStorage.getItem(f[0])===null&&localStorage.setItem(f[0],f[1])});"
+               f"localStorage.setItem({json.dumps(_UI_MODE[0])},{json.dumps(_UI_MODE[1])})}}catch(e){{}}"
+               + _UI_HOME_SCRIPT + "var GPUPOOL_HUB_HOME=" + json.dumps(hub_home).replace("<", "\\u003c") + ";"
+               + _UI_HUB_LINK_SCRIPT + "</script>").encode()
+
+    def page(html: bytes) -> bytes:
+        return html.replace(b"<head>", b"<head>" + snippet, 1)
+
+    return page
 
 
 def _tag(obj: dict, key: str) -> str | None:
@@ -857,6 +982,8 @@ async def _redirect(send, location: str, cookies: list[str] = ()) -> None:
 
 def create_app():
     """The `mlflow.app` entry point `gpupool`: MLflow's own ASGI app behind the hub login and team checks."""
+    # MLflow's own switch for its AI gateway (routes gpupool refuses): off, so that its UI leaves it out too.
+    os.environ["MLFLOW_ENABLE_AI_GATEWAY"] = "false"
     from jupyterhub.services.auth import HubOAuth
     from mlflow.server.fastapi_app import app as mlflow_app
 
@@ -867,5 +994,6 @@ def create_app():
     # Group changes reach MLflow within a minute.
     auth = HubOAuth(api_token=os.environ["JUPYTERHUB_API_TOKEN"], cache_max_age=60)
     gate = Gate(Stores(), os.environ.get("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR)),
-                os.environ.get("GPUPOOL_LEDGER_URL") or defaults.ledger_url(defaults.state_dir()))
+                os.environ.get("GPUPOOL_LEDGER_URL") or defaults.ledger_url(defaults.state_dir()),
+                auth.hub_prefix + "home")
     return HubGate(mlflow_app, gate, auth, prefix)

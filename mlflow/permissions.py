@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 #: The tag that says which team an experiment or a registered model belongs to.
 TEAM_TAG = "gpupool.team"
 #: MLflow's tag for who ran a run (its UI's "User" column); gpupool sets it, with `user_id`, to the caller.
 AUTHOR_TAG = "mlflow.user"
+#: Tags only gpupool writes (ownership, alias history, run context and cost); clients setting them are refused.
+SERVER_TAG_PREFIX = "gpupool."
+#: What a run ran on: the platform's facts about the server or training job a run comes from, written by the server
+#: when the run is created (the run-context plugin sends the same values, which are checked, never trusted).
+RUN_CONTEXT_TAGS = ("gpupool.team", "gpupool.profile", "gpupool.gpu_model", "gpupool.share", "gpupool.job")
+#: A server's own token carries this scope for its server only (`Spawner.server_token_scopes`: `!server`).
+SERVER_SCOPE = "access:servers!server="
 #: Aliases only a team's reviewers (policy `teams.<t>.reviewers`) and admins may set or remove.
 REVIEWED_ALIASES = frozenset({"production"})
 #: Every artifact of team T lives under this URI prefix + T.
@@ -43,6 +51,8 @@ class Viewer:
     admin: bool
     teams: tuple[str, ...]
     reviews: frozenset[str]
+    #: The caller's servers this token belongs to: one for a server's own token, none for a personal token.
+    servers: tuple[str, ...] = ()
 
     def member_of(self, team: str | None) -> bool:
         return self.admin or (team is not None and team in self.teams)
@@ -56,7 +66,53 @@ def viewer_of(user: dict, policy) -> Viewer:
     name = user["name"]
     teams = tuple(policy.teams_of(name, user.get("groups") or []))
     reviews = frozenset(t for t, team in policy.teams.items() if name in team.reviewers)
-    return Viewer(name, bool(user.get("admin")), teams, reviews)
+    servers = tuple(sorted(scope[len(SERVER_SCOPE) + len(name) + 1:] for scope in user.get("scopes") or []
+                           if scope.startswith(f"{SERVER_SCOPE}{name}/")))
+    return Viewer(name, bool(user.get("admin")), teams, reviews, servers)
+
+
+def _same(tag: str, sent: str, platform: str) -> bool:
+    if tag != "gpupool.share":
+        return sent == platform
+    try:
+        return Fraction(sent) == Fraction(platform)
+    except (ValueError, ZeroDivisionError):
+        return False
+
+
+def run_context(viewer: Viewer, sent: dict[str, object], facts: dict[str, str] | None, source: str,
+                policy) -> dict[str, str]:
+    """The run-context tags of a new run: the platform's `facts` about where it runs, and `sent`, what the client
+    sent of `RUN_CONTEXT_TAGS` (MLflow's run-context plugin sends the values its server or job was started with).
+
+    `facts` are the ledger's record of the caller's server or job (`source` names it); None where the platform
+    cannot tell where the run comes from (a personal token, no job named). A sent value must be the platform's;
+    where a server holds no GPU (the ledger records only GPU shares: `facts` without a team), a sent team must be
+    one of the caller's and a sent profile one without a GPU. Anything else is refused, naming the tag: the run's
+    cost is priced from these tags, so they are never the client's choice.
+    """
+    context = dict(facts or {})
+    for tag, value in sent.items():
+        if not isinstance(value, str):
+            raise Refused(400, f"the tag {tag!r} needs a string value")
+        why = None
+        if facts is None:
+            why = ("this token is neither a server's nor a job's, so there is nothing to set it from (in a gpupool "
+                   "server or job, use its own token: $MLFLOW_TRACKING_TOKEN)")
+        elif tag in facts:
+            if not _same(tag, value, facts[tag]):
+                why = f"this run comes from {source}, whose {tag} is {facts[tag]!r}, not {value!r}"
+        elif tag == "gpupool.team" and value in policy.teams and value in viewer.teams:
+            context[tag] = value
+        elif (tag == "gpupool.profile" and "gpupool.team" not in facts and value in policy.profiles
+              and policy.profiles[value].gpu is None):
+            context[tag] = value
+        else:
+            why = f"{source} has no {tag} {value!r}"
+        if why is not None:
+            raise Refused(403, f"{tag} is set by the platform (tags starting with {SERVER_TAG_PREFIX!r} are "
+                               f"gpupool's, never the client's): {why}")
+    return context
 
 
 def team_for_new(viewer: Viewer, name: object, requested: str | None, all_teams) -> str:
@@ -175,6 +231,9 @@ ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/api/2.0/mlflow/users/current"): "answer:current-user",
     ("GET", "/api/3.0/mlflow/assistant/config"): "answer:assistant-config",
     ("GET", "/api/3.0/mlflow/assistant/providers"): "answer:assistant-providers",
+    # The runs page asks which AI gateway endpoints exist (for its "New run" from a prompt): none, the gateway
+    # is off (its calls through the proxy stay refused).
+    ("GET", _API + "gateway-proxy"): "answer:gateway-endpoints",
     ("GET", "/get-artifact"): "run:read",
     ("GET", "/model-versions/get-artifact"): "model:read",
     ("POST", "/graphql"): "graphql",
@@ -286,4 +345,6 @@ def answer(what: str, viewer: Viewer) -> dict:
         return {"providers": {}, "projects": {}, "remote_access_allowed": False}
     if what == "assistant-providers":
         return {"providers": [], "resolved": None, "gateway_vendor_options": {}}
+    if what == "gateway-endpoints":
+        return {"endpoints": []}
     raise Refused(404, f"no answer {what!r}")

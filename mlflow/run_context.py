@@ -1,7 +1,9 @@
 """MLflow run-context plugin: runs started inside a gpupool server are tagged with who ran them on what share.
 
 Registered as the `mlflow.run_context_provider` entry point `gpupool`; MLflow calls it for every new run.
-The values come from the `GPUPOOL_*` variables the spawners put into every user server.
+The values come from the `GPUPOOL_*` variables the spawners put into every user server. They are claims, not
+facts: the MLflow service writes these tags itself from its records of the server or job the run comes from,
+and refuses a run whose claims differ (`permissions.run_context`); `gpupool.job` is how a job's run names its job.
 """
 
 from __future__ import annotations

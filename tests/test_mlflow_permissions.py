@@ -19,6 +19,7 @@ from gpupool.mlflow.permissions import (
     check_location,
     model_name_team,
     route_of,
+    run_context,
     team_for_model,
     team_for_new,
     viewer_of,
@@ -132,6 +133,11 @@ def test_the_ui_gets_gpupools_own_answers_for_login_and_the_assistant():
     assert route_of("GET", "/ajax-api/3.0/mlflow/assistant/config") == ("answer:assistant-config", ())
     assert answer("assistant-config", ALICE)["remote_access_allowed"] is False
     assert answer("assistant-providers", ALICE)["providers"] == []
+    # The runs page asks for AI gateway endpoints: none (the gateway is off); using one stays refused.
+    assert route_of("GET", "/ajax-api/2.0/mlflow/gateway-proxy") == ("answer:gateway-endpoints", ())
+    assert answer("gateway-endpoints", ALICE) == {"endpoints": []}
+    with pytest.raises(Refused):
+        route_of("POST", "/ajax-api/2.0/mlflow/gateway-proxy")
     # Everything else of the assistant (sessions, installing providers, running tools) stays closed.
     for method, path in [("POST", "/ajax-api/3.0/mlflow/assistant/message"),
                          ("PUT", "/ajax-api/3.0/mlflow/assistant/config")]:
@@ -147,6 +153,46 @@ teams:
 """)
     viewer = viewer_of({"name": "rita", "admin": False, "groups": ["nlp", "not-a-team"]}, policy)
     assert viewer == Viewer("rita", False, ("vision", "nlp"), frozenset({"vision"}))
+
+
+def test_a_servers_own_token_names_its_server_and_a_personal_token_none():
+    policy = load_policy_text("teams:\n  vision: {members: [alice]}\n")
+    server = {"name": "alice", "groups": [], "scopes": ["access:servers!server=alice/", "users:activity!user=alice"]}
+    named = {"name": "alice", "groups": [], "scopes": ["access:servers!server=alice/second"]}
+    personal = {"name": "alice", "groups": [], "scopes": ["access:servers!user=alice", "read:users!user=alice"]}
+    other = {"name": "alice", "groups": [], "scopes": ["access:servers!server=bob/"]}
+    assert viewer_of(server, policy).servers == ("",)
+    assert viewer_of(named, policy).servers == ("second",)
+    assert viewer_of(personal, policy).servers == () and viewer_of(other, policy).servers == ()
+
+
+def test_what_a_run_ran_on_is_the_platforms_and_a_client_cannot_choose_it():
+    policy = load_policy_text("""teams:
+  vision: {members: [alice]}
+  nlp: {members: [nadia]}
+""")
+    facts = {"gpupool.team": "vision", "gpupool.profile": "q", "gpupool.gpu_model": "H200", "gpupool.share": "1/4"}
+    # The plugin sends what the server was started with: the same, so accepted; nothing sent: the platform's.
+    assert run_context(ALICE, dict(facts), facts, "server alice/", policy) == facts
+    assert run_context(ALICE, {"gpupool.share": "0.25"}, facts, "server alice/", policy) == facts
+    assert run_context(ALICE, {}, facts, "server alice/", policy) == facts
+    assert run_context(ALICE, {}, None, "this token", policy) == {}
+    forged = [({"gpupool.team": "nlp"}, facts), ({"gpupool.share": "8"}, facts), ({"gpupool.profile": "x"}, facts),
+              ({"gpupool.gpu_model": "A100-80GB"}, facts), ({"gpupool.job": "j-1"}, facts),
+              ({"gpupool.share": "a/b"}, facts), ({"gpupool.team": "vision"}, None), ({"gpupool.share": "0"}, None),
+              # A server holding no GPU: a team of the caller's and a profile without a GPU, nothing else.
+              ({"gpupool.team": "nlp"}, {"gpupool.share": "0"}), ({"gpupool.profile": "q"}, {"gpupool.share": "0"}),
+              ({"gpupool.share": "1/4"}, {"gpupool.share": "0"})]
+    for sent, known in forged:
+        with pytest.raises(Refused) as refused:
+            run_context(ALICE, sent, known, "server alice/", policy)
+        tag = next(iter(sent))
+        assert refused.value.status == 403 and refused.value.message.startswith(f"{tag} is set by the platform")
+    with pytest.raises(Refused) as refused:
+        run_context(ALICE, {"gpupool.team": 7}, facts, "server alice/", policy)
+    assert refused.value.status == 400
+    assert run_context(ALICE, {"gpupool.team": "vision"}, {"gpupool.share": "0"}, "server alice/", policy) == {
+        "gpupool.team": "vision", "gpupool.share": "0"}
 
 
 def load_policy_text(teams: str):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import textwrap
+import time
 from datetime import timedelta
 from decimal import Decimal
 from fractions import Fraction
@@ -17,9 +18,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from gpupool.hub.accounting.bills import round_half_up
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.periods import utcnow
-from gpupool.hub.harness import Browser, Hub
+from gpupool.hub.harness import Browser, Hub, wait_for
 from gpupool.mlflow.cost import COST_TAGS
 
 POLICY = {
@@ -108,10 +110,16 @@ def notebook(hub):
             # Into the run's next second of the ledger (which counts whole seconds), however fast the machine.
             time.sleep(max(0.0, run.info.start_time // 1000 + 1.05 - time.time()))
         client = MlflowClient()
+        try:  # what a user's code might claim it ran on: the server refuses it
+            client.create_run(run.info.experiment_id, tags={{"gpupool.share": "8"}})
+            forged = "accepted"
+        except Exception as error:
+            forged = str(error)
         version = client.get_latest_versions({MODEL!r})[0].version
         client.set_registered_model_alias({MODEL!r}, "candidate", version)
         print(json.dumps({{"env": env, "run_id": run.info.run_id, "experiment_id": run.info.experiment_id,
-                           "version": version, "tags": client.get_run(run.info.run_id).data.tags}}))
+                           "version": version, "tags": client.get_run(run.info.run_id).data.tags,
+                          "forged": forged}}))
     """)
     output = hub.run_in_kernel("alice", code)
     result = json.loads(output.strip().splitlines()[-1])
@@ -124,10 +132,14 @@ def test_a_notebook_logs_runs_and_registers_models_with_its_servers_environment(
     assert env["MLFLOW_TRACKING_URI"] == f"{hub.url}/services/mlflow"
     assert env["MLFLOW_EXPERIMENT_NAME"] == "vision" and env["GPUPOOL_TEAM"] == "vision"
     assert env["token_is_server_token"] is True
-    # The run-context plugin tagged the run with who ran it on what share.
+    # The run is tagged with who ran it on what share: the server's facts (the ledger's record of the server the
+    # token belongs to), which the run-context plugin sent too; a claim of another share is refused.
     tags = notebook["tags"]
     assert tags["gpupool.user"] == "alice" and tags["gpupool.team"] == "vision"
     assert tags["gpupool.profile"] == "h200-quarter" and tags["gpupool.share"] == "1/4"
+    assert tags["gpupool.gpu_model"] == "H200" and "gpupool.job" not in tags
+    assert notebook["forged"].startswith("PERMISSION_DENIED: gpupool.share is set by the platform"), notebook["forged"]
+    assert "server alice/, whose gpupool.share is '1/4', not '8'" in notebook["forged"], notebook["forged"]
     # When the run ended, the server priced alice's quarter H200 over every ledger second of the run (her
     # server held it all along), and the author is alice.
     run = call(hub, "alice", "GET", API + "runs/get", params={"run_id": notebook["run_id"]}).json()["run"]
@@ -389,7 +401,9 @@ def test_the_event_loop_never_reads_mlflows_database(tmp_path):
     loop_thread, first, second = anyio.run(decide_three_times)
     assert [experiment for experiment, _ in reads] == ["7"] and reads[0][1] is not loop_thread
     for request in (first, second):
-        assert json.loads(request.body) == {"experiment_id": "7", "user_id": "alice", "tags": [
+        forwarded = json.loads(request.body)
+        assert isinstance(forwarded.pop("start_time"), int)  # the server's clock
+        assert forwarded == {"experiment_id": "7", "user_id": "alice", "tags": [
             {"key": "gpupool.user", "value": "alice"}, {"key": "mlflow.user", "value": "alice"}]}
 
 
@@ -455,37 +469,44 @@ def test_registered_model_names_start_with_their_team(hub):
 
 def test_a_finished_run_is_tagged_with_its_gpu_hours_and_cost_from_the_ledger(hub):
     now = utcnow().replace(microsecond=0)
-    start = now - timedelta(hours=3)
     ledger = Ledger(hub.ledger_url)
-    # rita held half a card for two hours inside the run, and a quarter for an hour before it started.
+    # rita holds half a card through the whole run, and held a quarter for an hour before it started.
     ledger.open_interval("rita-before", "rita", "vision", "h200-quarter", "H200", Fraction(1, 4),
-                         start - timedelta(hours=1))
-    ledger.close_interval("rita-before", start, "stopped")
-    ledger.open_interval("rita-1", "rita", "vision", "h200-quarter", "H200", Fraction(1, 2), start + timedelta(hours=1))
-    ledger.close_interval("rita-1", start + timedelta(hours=3), "stopped")
-    ledger.dispose()
-    experiment = call(hub, "rita", "POST", API + "experiments/create", json={"name": "vision/costs"})
-    assert experiment.status_code == 200, experiment.text
-    experiment_id = experiment.json()["experiment_id"]
-    created = call(hub, "rita", "POST", API + "runs/create", json={
-        "experiment_id": experiment_id, "start_time": int(start.timestamp() * 1000),
-        "tags": [{"key": "gpupool.team", "value": "vision"}, {"key": "gpupool.profile", "value": "h200-quarter"},
-                 {"key": "gpupool.user", "value": "alice"}]})
-    assert created.status_code == 200, created.text
-    run_id = created.json()["run"]["info"]["run_id"]
-    forged = call(hub, "rita", "POST", API + "runs/set-tag", json={"run_id": run_id, "key": "gpupool.cost",
-                                                                   "value": "0"})
-    assert forged.status_code == 403
-    ended = call(hub, "rita", "POST", API + "runs/update", json={
-        "run_id": run_id, "status": "FINISHED", "end_time": int(now.timestamp() * 1000)})
-    assert ended.status_code == 200, ended.text
-    tags = {t["key"]: t["value"] for t in call(hub, "rita", "GET", API + "runs/get",
-                                               params={"run_id": run_id}).json()["run"]["data"]["tags"]}
-    # The server wrote who ran it (not what the client claimed) and what it cost: 0.5 × 2 h at 3.20.
+                         now - timedelta(hours=3))
+    ledger.close_interval("rita-before", now - timedelta(hours=2), "stopped")
+    ledger.open_interval("rita-1", "rita", "vision", "h200-quarter", "H200", Fraction(1, 2), now - timedelta(hours=1))
+    try:
+        experiment = call(hub, "rita", "POST", API + "experiments/create", json={"name": "vision/costs"})
+        assert experiment.status_code == 200, experiment.text
+        # A client's start and end would choose the window the run is priced over: the server's clock decides.
+        created = call(hub, "rita", "POST", API + "runs/create", json={
+            "experiment_id": experiment.json()["experiment_id"],
+            "start_time": int((now - timedelta(hours=3)).timestamp() * 1000)})
+        assert created.status_code == 200, created.text
+        run_id, start_ms = created.json()["run"]["info"]["run_id"], created.json()["run"]["info"]["start_time"]
+        assert start_ms >= now.timestamp() * 1000
+        forged = call(hub, "rita", "POST", API + "runs/set-tag", json={"run_id": run_id, "key": "gpupool.cost",
+                                                                       "value": "0"})
+        assert forged.status_code == 403
+        wait_for(lambda: time.time() >= start_ms // 1000 + 1, timeout=10, every=0.05,
+                 message="the clock never reached the run's next second")  # so that the run holds a ledger second
+        ended = call(hub, "rita", "POST", API + "runs/update", json={
+            "run_id": run_id, "status": "FINISHED", "end_time": start_ms})
+        assert ended.status_code == 200, ended.text
+    finally:
+        ledger.close_interval("rita-1", utcnow(), "stopped")
+        ledger.dispose()
+    run = call(hub, "rita", "GET", API + "runs/get", params={"run_id": run_id}).json()["run"]
+    tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+    # The server wrote who ran it and what it cost: half a card over each ledger second of the run, at 3.20.
+    seconds = run["info"]["end_time"] // 1000 - start_ms // 1000
+    assert run["info"]["start_time"] == start_ms and seconds >= 1, run["info"]
     assert tags["gpupool.user"] == "rita"
-    assert Fraction(tags["gpupool.gpu_hours"]) == 1
-    assert tags["gpupool.gpu_seconds"] == "3600"  # half a card for 7200 s
-    assert Decimal(tags["gpupool.cost"]) == Decimal("3.20") and tags["gpupool.currency"] == "EUR"
+    assert Fraction(tags["gpupool.gpu_seconds"]) == Fraction(1, 2) * seconds, (seconds, tags)
+    hours = Fraction(1, 2) * seconds / 3600
+    assert Decimal(tags["gpupool.gpu_hours"]) == round_half_up(hours, 6)
+    assert Decimal(tags["gpupool.cost"]) == round_half_up(hours * Fraction("3.20"), 4) > 0
+    assert tags["gpupool.currency"] == "EUR"
 
     # A model version made from the run carries the run's cost, written by the server; a client's is refused.
     assert call(hub, "rita", "POST", API + "registered-models/create", json={"name": "vision-costs"}).status_code == 200
@@ -502,6 +523,54 @@ def test_a_finished_run_is_tagged_with_its_gpu_hours_and_cost_from_the_ledger(hu
     assert {k: version_tags[k] for k in COST_TAGS} == {k: tags[k] for k in COST_TAGS}
 
 
+def test_a_user_cannot_tag_a_run_with_what_it_ran_on_or_what_it_cost(hub):
+    """The attack of issue 33: an nlp user's run stored as team=vision, share=8, its cost steered to 0."""
+    created = call(hub, "nadia", "POST", API + "experiments/create", json={"name": "nlp/forged"})
+    assert created.status_code == 200, created.text
+    experiment_id = created.json()["experiment_id"]
+    platform_tags = [("gpupool.team", "vision"), ("gpupool.profile", "h200-quarter"), ("gpupool.share", "8"),
+                     ("gpupool.gpu_model", "H200"), ("gpupool.job", "0123456789ab"), ("gpupool.cost", "0"),
+                     ("gpupool.gpu_hours", "0"), ("gpupool.gpu_seconds", "0"), ("gpupool.currency", "EUR")]
+    for tag, value in platform_tags:
+        for prefix in (API, "ajax-api/2.0/mlflow/"):  # the client's and the UI's doors
+            reply = call(hub, "nadia", "POST", prefix + "runs/create",
+                         json={"experiment_id": experiment_id, "tags": [{"key": tag, "value": value}]})
+            assert reply.status_code == 403, (tag, prefix, reply.text)
+            assert reply.json()["message"].startswith(f"{tag} is set by the platform"), reply.text
+    run = call(hub, "nadia", "POST", API + "runs/create", json={"experiment_id": experiment_id})
+    assert run.status_code == 200, run.text
+    run_id, start_ms = run.json()["run"]["info"]["run_id"], run.json()["run"]["info"]["start_time"]
+    for tag, value in platform_tags + [("gpupool.user", "alice")]:
+        for path, body in [("runs/set-tag", {"run_id": run_id, "key": tag, "value": value}),
+                           ("runs/delete-tag", {"run_id": run_id, "key": tag}),
+                           ("runs/log-batch", {"run_id": run_id, "tags": [{"key": tag, "value": value}]})]:
+            for prefix in (API, "ajax-api/2.0/mlflow/"):
+                reply = call(hub, "nadia", "POST", prefix + path, json=body)
+                assert reply.status_code == 403, (tag, prefix + path, reply.text)
+                assert reply.json()["message"].startswith(f"{tag} is set by the platform"), reply.text
+    # A logged model carries the same tags (MLflow's client tags it with the run's context): the same rule.
+    model = call(hub, "nadia", "POST", API + "logged-models", json={
+        "experiment_id": experiment_id, "name": "m", "tags": [{"key": "gpupool.team", "value": "vision"}]})
+    assert model.status_code == 403 and "gpupool.team is set by the platform" in model.json()["message"]
+    model = call(hub, "nadia", "POST", API + "logged-models", json={"experiment_id": experiment_id, "name": "m"})
+    assert model.status_code == 200, model.text
+    model_id = model.json()["model"]["info"]["model_id"]
+    forged = call(hub, "nadia", "PATCH", API + f"logged-models/{model_id}/tags",
+                  json={"model_id": model_id, "tags": [{"key": "gpupool.cost", "value": "0"}]})
+    assert forged.status_code == 403 and "gpupool.cost is set by the platform" in forged.json()["message"]
+    removed = call(hub, "nadia", "DELETE", API + f"logged-models/{model_id}/tags/gpupool.user")
+    assert removed.status_code == 403 and "gpupool.user is set by the platform" in removed.json()["message"]
+    # An end before the start would price the run at 0: the server ends it by its own clock.
+    ended = call(hub, "nadia", "POST", API + "runs/update",
+                 json={"run_id": run_id, "status": "FINISHED", "end_time": start_ms - 3_600_000})
+    assert ended.status_code == 200, ended.text
+    stored = call(hub, "nadia", "GET", API + "runs/get", params={"run_id": run_id}).json()["run"]
+    assert stored["info"]["end_time"] >= start_ms, stored["info"]
+    tags = {t["key"]: t["value"] for t in stored["data"]["tags"]}
+    assert tags["gpupool.user"] == "nadia" and Decimal(tags["gpupool.cost"]) == 0 and tags["gpupool.currency"] == "EUR"
+    assert not {"gpupool.team", "gpupool.profile", "gpupool.share", "gpupool.gpu_model", "gpupool.job"} & set(tags)
+
+
 def test_a_browser_logs_in_through_the_hub_and_sees_its_teams_experiment_without_errors(hub, notebook, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     driver = shutil.which("chromedriver")
@@ -511,6 +580,8 @@ def test_a_browser_logs_in_through_the_hub_and_sees_its_teams_experiment_without
     from selenium.common.exceptions import TimeoutException
 
     shots = REPO_ROOT / "docs" / "screenshots"
+    run_name = call(hub, "alice", "GET", API + "runs/get", params={"run_id": notebook["run_id"]}).json()["run"][
+        "info"]["run_name"]
     b = Browser(chromium, driver)
 
     def errors() -> list[str]:
@@ -523,32 +594,48 @@ def test_a_browser_logs_in_through_the_hub_and_sees_its_teams_experiment_without
         b.click("#login_submit")
         b.wait(lambda d: "/services/mlflow/" in d.current_url, 120, "the hub login did not lead back to MLflow")
         b.start_recording()  # the hub's login pages are not what this test is about
-        # The first page a user sees.
+        # The first page a user sees: the experiments (MLflow's own first page is its GenAI home: a demo, prompts,
+        # the AI gateway, all refused here), the model registry beside them, and the way back to the hub.
         b.get(f"{hub.url}/services/mlflow/")
+        b.wait(lambda d: d.current_url.endswith("#/experiments"), 120, "the first page is not the experiments")
         b.wait_for_text("vision", 300)
         b.wait_page_loaded()
         assert "nlp" not in [a.text for a in b.css("a")]
+        nav = [a.text for a in b.css("aside a") if a.is_displayed()]
         b.screenshot(shots / "mlflow-experiments.png")
         first_page, first_text = errors(), b.text()
-        # The team's experiment, in its default view.
+        # The team's experiment: its runs, the notebook's among them.
         b.start_recording()
         b.get(f"{hub.url}/services/mlflow/#/experiments/{notebook['experiment_id']}")
-        # Its default view (Overview) draws the experiment's charts: data, "no data", or the error this is about.
         try:
-            b.wait(lambda d: any(text in b.text() for text in ("No data available", "Failed to load")), 300)
+            b.wait(lambda d: run_name in b.text(), 300)
         except TimeoutException:
-            raise AssertionError(f"the experiment page drew no charts in 300 s; it shows:\n{b.text()[:2000]}\n"
-                                 f"still loading: {b.loading()}") from None
+            raise AssertionError(f"the experiment page never listed the notebook's run {run_name!r}; it shows:\n"
+                                 f"{b.text()[:2000]}\nstill loading: {b.loading()}") from None
         b.wait_page_loaded()
         b.screenshot(shots / "mlflow-experiment.png")
         body, experiment_page = b.text(), errors()
+        experiment_nav = [a.text for a in b.css("aside a") if a.is_displayed()]
+        assistant = [e for e in b.css("[data-assistant-ui]") if e.is_displayed()]
+        # The model registry, and back to the hub from it.
+        b.get(f"{hub.url}/services/mlflow/#/models")
+        b.wait_for_text(MODEL, 300)
+        b.click("#gpupool-hub-link")
+        b.wait(lambda d: d.current_url.endswith("/hub/home"), 120, "the hub link did not lead to the hub's home")
+        b.wait_for_text("alice", 120)
     finally:
         b.screenshot(tmp_path / "mlflow-ui-last.png")
         b.quit()
     assert first_page == [] and experiment_page == [], (first_page, experiment_page)
     assert "Failed to load" not in body, body[:2000]
-    # What a private platform's first page must not show: the assistant opened by itself, a telemetry notice.
-    assert "Information about UI telemetry" not in first_text and "Assistant" not in first_text, first_text
+    assert "Experiments" in nav and "Model registry" in nav and "Hub home" in nav, nav
+    assert "Runs" in experiment_nav and "Traces" not in experiment_nav and "Hub home" in experiment_nav, experiment_nav
+    assert assistant == [], "the assistant's button is shown"
+    # What a private platform's first page must not show: what gpupool refuses (GenAI's pages, the demo, the
+    # assistant) and a telemetry notice.
+    for refused in ("GenAI", "Prompts", "MCP registry", "AI Gateway", "Start Demo", "Welcome to MLflow",
+                    "Assistant", "Settings", "Information about UI telemetry"):
+        assert refused not in first_text and refused not in " ".join(nav), (refused, nav, first_text)
 
 
 @pytest.mark.postgresql
