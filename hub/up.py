@@ -276,6 +276,9 @@ def down(args: argparse.Namespace) -> int:
               f"platform, or as root", file=sys.stderr)
         return 1
     hub = lifecycle.running_hub(state)
+    if hub is None and args.servers:
+        print(f"gpupool down: no hub runs on {state}, so no server can be stopped through it: start it "
+              f"(`gpupool up --state-dir {state}`), then `gpupool down --servers`", file=sys.stderr)
     if hub is not None and args.servers:
         try:
             servers = stop_every_server(state)
