@@ -32,7 +32,9 @@ endef
 $(STAMP): setup.cfg pyproject.toml images/base/overrides.json
 	$(call step,1/$(INSTALL_STEPS): gpupool and its dependencies into $(VENV) (minutes the first time))
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(call pip-install,$(BIN)/python,--quiet --upgrade pip)
+	@# setuptools and wheel: the build backend pyproject.toml names, which the wheel's step runs from here
+	@# (--no-build-isolation); Python 3.11's venv has setuptools 65, no bdist_wheel without the wheel package
+	$(call pip-install,$(BIN)/python,--quiet --upgrade pip 'setuptools>=69' wheel)
 	$(call pip-install,$(BIN)/python,-e .)
 	@# servers run from here when gpupool does not run as root: JupyterLab's news and update check off
 	@install -D -m 644 images/base/overrides.json $(VENV)/share/jupyter/lab/settings/overrides.json
