@@ -55,9 +55,14 @@ class GPUPoolHub(JupyterHub):
 
     def init_tornado_settings(self):
         # gpupool's pages (the spawn page, the progress page's Stop, the home page) in every mode that runs this
-        # hub, however its configuration came: after the configured paths, before JupyterHub's own.
-        if str(TEMPLATES) not in self.template_paths:
-            self.template_paths.append(str(TEMPLATES))
+        # hub, however its configuration came: after the configured paths, before JupyterHub's own, the first
+        # folder that has a page serving it. Unconfigured (z2jh), `template_paths` is JupyterHub's folder alone.
+        ours = str(TEMPLATES)
+        if ours not in self.template_paths:
+            paths = list(self.template_paths)
+            jupyterhubs = self._template_paths_default()[0]
+            at = paths.index(jupyterhubs) if jupyterhubs in paths else len(paths)
+            self.template_paths = [*paths[:at], ours, *paths[at:]]
         super().init_tornado_settings()
 
     job_runner = None

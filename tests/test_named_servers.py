@@ -114,11 +114,20 @@ def test_gpupool_hub_serves_gpupool_pages_whatever_its_configuration(monkeypatch
     from gpupool.hub.app import GPUPoolHub
     from gpupool.hub.config import TEMPLATES
 
+    from jinja2 import Environment, FileSystemLoader
+
+    jupyterhubs = JupyterHub()._template_paths_default()[0]
     monkeypatch.setattr(JupyterHub, "init_tornado_settings", lambda self: None)
-    for configured in ([], ["/srv/branding"], [str(TEMPLATES)]):
-        hub = GPUPoolHub(template_paths=list(configured))
+    # None: not configured (z2jh), JupyterHub's default, its own folder alone
+    for configured in (None, [], ["/srv/branding"], [str(TEMPLATES)], ["/srv/branding", jupyterhubs]):
+        hub = GPUPoolHub() if configured is None else GPUPoolHub(template_paths=list(configured))
         hub.init_tornado_settings()
-        assert hub.template_paths == list(dict.fromkeys([*configured, str(TEMPLATES)]))
+        # JupyterHub then adds its own folder when missing; the first folder that has a page serves it
+        paths = [*hub.template_paths, *([jupyterhubs] if jupyterhubs not in hub.template_paths else [])]
+        served = FileSystemLoader(paths).get_source(Environment(), "spawn_pending.html")[1]
+        assert served == str(TEMPLATES / "spawn_pending.html"), (configured, paths)
+        branding = [p for p in configured or [] if p != jupyterhubs]  # an admin's own pages still come first
+        assert paths[:len(branding)] == branding, paths
     assert volcano.jupyterhub_values(load_policy(DEFAULT_POLICY_DIR), volcano.Release())["hub"]["args"][0] == \
         "gpupool-hub"
 
