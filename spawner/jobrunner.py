@@ -24,6 +24,7 @@ import asyncio
 import copy
 import os
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
@@ -101,34 +102,51 @@ def private_folder(spawner: LocalGPUSpawner, job: Job) -> Path:
     return Path(spawner.server_config_root) / job.user / f"job-{job.id}"
 
 
-def _private(folder: Path, owner: tuple[int, int] | None) -> None:
-    """`folder` made (or kept) as a real folder of `owner`'s only, 0700 (the team folder's default ACLs give
-    the group rwx; mode 0700 masks them)."""
-    folder.mkdir(exist_ok=True)
-    try:  # through a descriptor: a link swapped in after a look by path is never followed
-        descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+def _private(folder: Path, parent: int, owner: tuple[int, int] | None) -> int:
+    """`folder`, in the folder open as `parent`, made (or kept) as a real folder of `owner`'s only, 0700
+    (the team folder's default ACLs give the group rwx; mode 0700 masks them); open, for the caller to close."""
+    try:
+        os.mkdir(folder.name, 0o700, dir_fd=parent)
+    except FileExistsError:
+        pass
+    try:  # a descriptor: a link swapped in after a look by path is never followed, here or further down
+        descriptor = os.open(folder.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
     except OSError:
         raise RuntimeError(f"{folder} is not a folder (a link?): the job's checkpoints cannot go there") from None
     try:
         os.fchmod(descriptor, 0o700)
         if owner is not None:
             os.fchown(descriptor, *owner)
-    finally:
+    except BaseException:
         os.close(descriptor)
+        raise
+    return descriptor
 
 
 def checkpoint_folder(checkpoints: Path, owner: tuple[int, int] | None) -> None:
     """The default checkpoint folder `TEAM/checkpoints/USER/JOB`: `checkpoints` the platform's (0711: members
     pass through to their own folder, list nothing, create nothing), `USER` and `JOB` the user's, 0700, so no
-    teammate can read a checkpoint or plant one for a job to load."""
+    teammate can read a checkpoint or plant one for a job to load. Walked by descriptors: a member may rename
+    what is in the team folder (`checkpoints` among it) at any moment, and `USER` is the user's own."""
     shared = checkpoints.parent.parent
     shared.mkdir(exist_ok=True)
-    if shared.is_symlink() or shared.stat().st_uid != os.getuid():
-        raise RuntimeError(f"{shared} is not the platform's own folder (someone else made it): move it away; "
-                           "jobs keep their checkpoints there")
-    os.chmod(shared, 0o711)
-    _private(checkpoints.parent, owner)
-    _private(checkpoints, owner)
+    try:
+        top = os.open(shared, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        top = None
+    try:
+        if top is None or os.fstat(top).st_uid != os.getuid():
+            raise RuntimeError(f"{shared} is not the platform's own folder (someone else made it): move it away; "
+                               "jobs keep their checkpoints there")
+        os.fchmod(top, 0o711)
+        user = _private(checkpoints.parent, top, owner)
+        try:
+            os.close(_private(checkpoints, user, owner))
+        finally:
+            os.close(user)
+    finally:
+        if top is not None:
+            os.close(top)
 
 
 def launch(spawner: LocalGPUSpawner, started: Launch, state_dir: str) -> tuple[subprocess.Popen, Path]:
@@ -201,10 +219,20 @@ def launch(spawner: LocalGPUSpawner, started: Launch, state_dir: str) -> tuple[s
 
 
 def read_exit_status(path: Path) -> int | None:
+    """The status the run wrote into its private folder, which is its user's: a link they planted there (to
+    `/dev/zero`, a FIFO, a root-owned file) is never followed, and no more than a status is read."""
     try:
-        return int(path.read_text().strip())
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return None
+        return int(os.read(descriptor, 64).decode().strip())
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(descriptor)
 
 
 def hear_signals() -> None:

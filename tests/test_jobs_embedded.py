@@ -505,6 +505,59 @@ def test_a_job_runs_as_its_user_with_a_servers_environment_and_a_private_checkpo
         subprocess.run(["userdel", "--remove", "gp-jobuser"], capture_output=True, check=False)
 
 
+def test_the_runner_never_follows_a_link_its_user_planted_for_the_exit_status(tmp_path):
+    # The run's private folder is its user's: a planted link (to a root-owned file, a FIFO, /dev/zero) must not
+    # make the hub read it, hang on it or read it whole.
+    from gpupool.spawner.jobrunner import read_exit_status
+
+    (tmp_path / "real").write_text("0\n")
+    assert read_exit_status(tmp_path / "real") == 0
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    os.mkfifo(tmp_path / "fifo")
+    assert [read_exit_status(tmp_path / n) for n in ("link", "fifo", "gone")] == [None, None, None]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives folders to another account, which needs root")
+def test_a_teammate_swapping_the_checkpoints_folder_meanwhile_gets_no_folder_made_elsewhere(tmp_path, monkeypatch):
+    # Team members may rename anything in the team folder, `checkpoints` too: swapped for a link once the runner
+    # has checked it, the job's folder must still be made where it was checked, never through the link.
+    from gpupool.spawner import jobrunner
+
+    team, elsewhere = tmp_path / "vision", tmp_path / "etc"
+    (elsewhere / "alice").mkdir(parents=True)
+    team.mkdir()
+    real_fchown = os.fchown
+
+    def swapped_meanwhile(fd, uid, gid):  # the racer's move, at the moment the runner hands `alice` over
+        if not (team / "moved").exists():
+            (team / "checkpoints").rename(team / "moved")
+            (team / "checkpoints").symlink_to(elsewhere)
+        real_fchown(fd, uid, gid)
+
+    monkeypatch.setattr(jobrunner.os, "fchown", swapped_meanwhile)
+    jobrunner.checkpoint_folder(team / "checkpoints" / "alice" / "job1", (65534, 65534))
+    assert not (elsewhere / "alice" / "job1").exists()
+    made = team / "moved" / "alice" / "job1"
+    assert (made.stat().st_uid, made.stat().st_mode & 0o777) == (65534, 0o700)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="checks a folder as another account, which needs root")
+def test_a_workdir_refusal_tells_a_user_nothing_of_what_they_cannot_see():
+    # The jobs service runs as root: its refusal says only what the job's own account could find out.
+    from gpupool.hub.accounting.jobs_service import workdir_problem
+
+    with tempfile.TemporaryDirectory() as tmp:  # pytest's own folders are closed to other accounts
+        os.chmod(tmp, 0o755)
+        private = Path(tmp) / "bobs"
+        private.mkdir(mode=0o700)
+        (private / "thesis.pdf").write_text("")
+        # gp-nobody: an account not made yet, checked as the uid `nobody`
+        said = {name: workdir_problem(str(private / name), "nobody", [], True) for name in ("thesis.pdf", "nothing")}
+        assert said["thesis.pdf"].replace("thesis.pdf", "nothing") == said["nothing"], said
+        assert "(No such file or directory, or a folder on its way that it cannot enter)" in said["nothing"]
+        assert "(Permission denied)" in workdir_problem(str(private), "nobody", [], True)
+
+
 def test_a_run_hears_sigterm_even_when_the_thread_starting_it_blocks_signals():
     # The job runner starts runs from a worker thread; a signal mask is inherited across exec, so a run started
     # from a thread with SIGTERM blocked would never hear it (it waits for the SIGKILL). Its processes unblock.

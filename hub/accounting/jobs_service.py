@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import pwd
-import stat
 import subprocess
 from datetime import datetime
 from decimal import Decimal
@@ -88,17 +87,18 @@ def workdir_problem(workdir: str, user: str, teams: list[str], as_users: bool) -
             except KeyError:
                 pass
         ids = {"user": uid, "group": gid, "extra_groups": sorted(groups)}
+    # Why, told by the same shell as the run's identity: this process (root, with users' runs) would tell anyone
+    # whether a file exists in a folder of another user's that they cannot enter.
+    script = 'cd -- "$1" && exit 0; [ -e "$1" ] || exit 3; [ -d "$1" ] || exit 4; exit 5'
     try:  # the system's shell: the hub's environment may be closed to users
-        entered = subprocess.run(["/bin/sh", "-c", 'cd -- "$1"', "sh", workdir], capture_output=True, cwd="/",
+        entered = subprocess.run(["/bin/sh", "-c", script, "sh", workdir], capture_output=True, cwd="/",
                                  env={"PATH": "/usr/bin:/bin"}, timeout=30, check=False, **ids)
     except (OSError, ValueError, subprocess.SubprocessError) as error:
         return f"working folder {workdir!r} could not be checked: {error}"
     if entered.returncode == 0:
         return None
-    try:  # why, as this process sees it (the shell does not say)
-        why = "Not a directory" if not stat.S_ISDIR(os.stat(workdir).st_mode) else "Permission denied"
-    except OSError as error:
-        why = error.strerror
+    why = {3: "No such file or directory" + (", or a folder on its way that it cannot enter" if as_users else ""),
+           4: "Not a directory"}.get(entered.returncode, "Permission denied")
     return (f"working folder {workdir!r} cannot be entered by {who} ({why}): give a folder you can enter as "
             f"`workdir` (`--workdir` of `gpupool jobs submit`; default: your home)")
 
