@@ -71,9 +71,16 @@ def viewer_of(user: dict, policy) -> Viewer:
     return Viewer(name, bool(user.get("admin")), teams, reviews, servers)
 
 
+#: A share as the run-context plugin sends it (`1/4`, `0.25`, `1`): no exponent, whose `1e100000000` would have
+#: Fraction build a 100-million-digit number, holding MLflow's one worker for minutes.
+_SHARE_TEXT = re.compile(r"\d{1,12}(?:\.\d{1,12})?(?:/\d{1,12})?")
+
+
 def _same(tag: str, sent: str, platform: str) -> bool:
     if tag != "gpupool.share":
         return sent == platform
+    if not _SHARE_TEXT.fullmatch(sent):
+        return False
     try:
         return Fraction(sent) == Fraction(platform)
     except (ValueError, ZeroDivisionError):

@@ -180,6 +180,8 @@ def test_what_a_run_ran_on_is_the_platforms_and_a_client_cannot_choose_it():
     forged = [({"gpupool.team": "nlp"}, facts), ({"gpupool.share": "8"}, facts), ({"gpupool.profile": "x"}, facts),
               ({"gpupool.gpu_model": "A100-80GB"}, facts), ({"gpupool.job": "j-1"}, facts),
               ({"gpupool.share": "a/b"}, facts), ({"gpupool.team": "vision"}, None), ({"gpupool.share": "0"}, None),
+              # No exponent: "1e100000000" would be a 100-million-digit number to compare, minutes of MLflow's worker.
+              ({"gpupool.share": "2.5e-1"}, facts), ({"gpupool.share": "1e100000000"}, facts),
               # A server holding no GPU: a team of the caller's and a profile without a GPU, nothing else.
               ({"gpupool.team": "nlp"}, {"gpupool.share": "0"}), ({"gpupool.profile": "q"}, {"gpupool.share": "0"}),
               ({"gpupool.share": "1/4"}, {"gpupool.share": "0"})]
