@@ -107,7 +107,9 @@ def _admin_on_the_hubs_machine(args: argparse.Namespace) -> Client | None:
     admin = hub.get("admin") or "admin"
     try:
         status, made = hub_api(state, "POST", f"/users/{admin}/tokens",
-                               {"note": "gpupool jobs on the hub's machine", "expires_in": TOKEN_SECONDS})
+                               {"note": "gpupool jobs on the hub's machine", "expires_in": TOKEN_SECONDS,
+                                # the jobs service as the admin, nothing else of the admin's (users, servers, tokens)
+                                "scopes": ["access:services!service=jobs", "read:users!user"]})
     except urllib.error.URLError as error:
         raise JobsError(f"the hub at {hub.get('url')} does not answer ({error.reason}); is `gpupool up` "
                         "running?") from None
