@@ -108,6 +108,23 @@ def _alive(pid: int | None, started: float | None) -> bool:
         return False
 
 
+def _the_platforms(processes: list[psutil.Process], state: Path) -> list[psutil.Process]:
+    """Those of `processes` run by the owner of `state`: the records in a state folder are its owner's words, and
+    `gpupool down` run by root must not stop, on the word of a folder a user owns, a process that is not theirs."""
+    try:
+        owner = state.stat().st_uid
+    except OSError:
+        return []
+    mine = []
+    for process in processes:
+        try:
+            if process.uids().real == owner:
+                mine.append(process)
+        except psutil.Error:
+            continue
+    return mine
+
+
 def platforms() -> list[dict]:
     """Platforms this user started, newest first, each with `running`."""
     found = []
@@ -278,7 +295,7 @@ def stale_service_processes(state: Path) -> list[psutil.Process]:
                 found[process.pid] = process
         except psutil.Error:
             continue
-    return list(found.values())
+    return _the_platforms(list(found.values()), state)
 
 
 def stop_stale_services(state: Path) -> list[str]:
@@ -303,7 +320,7 @@ def running_hub(state: Path) -> psutil.Process | None:
     if not _alive(record.get("pid"), record.get("started")):
         return None
     try:
-        return psutil.Process(record["pid"])
+        return next(iter(_the_platforms([psutil.Process(record["pid"])], state)), None)
     except psutil.Error:
         return None
 
@@ -313,7 +330,8 @@ def left_proxy(state: Path) -> psutil.Process | None:
     try:
         process = psutil.Process(int((state / "proxy.pid").read_text()))
         # The file outlives its proxy: the PID may since be another program's.
-        if _running(process) and "configurable-http-proxy" in " ".join(process.cmdline()):
+        if (_running(process) and "configurable-http-proxy" in " ".join(process.cmdline())
+                and _the_platforms([process], state)):
             return process
     except (OSError, ValueError, psutil.Error):
         pass

@@ -301,3 +301,25 @@ def test_after_a_hub_crash_gpupool_up_serves_fresh_services_and_gpupool_down_sto
             process.kill()
         hub.kill_leftovers()
     assert not alive(service_processes(hub.state)), "a clean stop ends every service process"
+
+
+def test_gpupool_down_by_root_stops_only_processes_of_the_state_folders_owner(tmp_path):
+    """A state folder an ordinary user owns is that user's word: root's `gpupool down --state-dir` on it never stops,
+    because its hub.json or proxy.pid names them, processes that are not that user's (here: root's own)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: the state folder is given to another user")
+    state = tmp_path / "state"
+    state.mkdir()
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+    try:
+        started = psutil.Process(victim.pid).create_time()
+        lifecycle.write_json(state / "hub.json", {"pid": victim.pid, "started": started})
+        (state / "proxy.pid").write_text(str(victim.pid))
+        assert lifecycle.running_hub(state) is not None  # root's own folder: its hub is root's process
+        os.chown(state, 65534, 65534)  # the folder is nobody's now
+        assert lifecycle.running_hub(state) is None
+        assert lifecycle.stop_platform(state, timeout=5) == []
+        assert victim.poll() is None, "root's process was stopped on the word of a folder it does not own"
+    finally:
+        victim.kill()
+        victim.wait()
