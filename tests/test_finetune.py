@@ -92,6 +92,13 @@ class Guide:
         (found,) = [c for c in self.commands if c.startswith(start)]
         return found
 
+    def choice(self, team: str) -> tuple[str, str]:
+        """The profile and image step 1 names, as the spawn form posts them (on the default policies)."""
+        policy = load_policy(DEFAULT_POLICY_DIR)
+        (profile,) = [s for s, p in policy.profiles_for_teams({team}).items() if p.display_name == self.profile]
+        (image,) = [k for k, i in policy.profiles[profile].images.items() if i.display_name == self.image]
+        return profile, image
+
 
 def gpupool(env: dict, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     done = subprocess.run([GPUPOOL, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
@@ -137,10 +144,7 @@ def test_the_first_fine_tune_of_the_guide_on_the_default_policies(hub, tmp_path)
     profile and image it names: the template, the team's dataset version, the job (killed once after a committed
     checkpoint by the guide's resume drill), the adapter registered with its cost."""
     guide = Guide(GUIDE.read_text())
-    policy = load_policy(DEFAULT_POLICY_DIR)
-    # 1. The profile and image the guide names, as the spawn form posts them.
-    (profile,) = [s for s, p in policy.profiles_for_teams({"vision"}).items() if p.display_name == guide.profile]
-    (image,) = [k for k, i in policy.profiles[profile].images.items() if i.display_name == guide.image]
+    profile, image = guide.choice("vision")  # 1. what the guide says to pick on the spawn page
     token = hub.user_token("alice")
     reply = hub.api("POST", "/users/alice/server", json={"profile": profile, "image": image})
     assert reply.status_code in (201, 202), reply.text
@@ -300,6 +304,13 @@ def test_the_first_fine_tune_as_a_person_sees_it_in_a_browser(hub, tmp_path):
         browser.get(f"{hub.url}/hub/spawn")
         text = browser.wait_for_text("Fine-tuning (PyTorch, transformers, PEFT)")
         assert "1 × H200" in text and "CPU only" in text, text
+        # docs/finetune.md's step 1: its profile, and under it its image
+        from selenium.webdriver.support.ui import Select
+
+        guide = Guide(GUIDE.read_text())
+        profile, _ = guide.choice("vision")
+        browser.click(f'input[name="profile"][value="{profile}"]')
+        Select(browser.css(f'select[name="image-{profile}"]')[0]).select_by_visible_text(guide.image)
         browser.wait_page_loaded()
         assert not browser.failed_requests() and not browser.console_errors()
         browser.screenshot_whole_page(SCREENSHOTS / "spawn-images.png")
