@@ -182,7 +182,7 @@ class ListHandler(JobsHandler):
         self.write_json({"jobs": [job.as_json() for job in self.visible_jobs()]})
 
     @web.authenticated
-    def post(self):
+    async def post(self):
         viewer = self.viewer()
         try:
             submission = JobSubmission.model_validate(self.body())
@@ -199,7 +199,9 @@ class ListHandler(JobsHandler):
         kubernetes = self.settings["kubernetes"]
         if submission.workdir is not None and not kubernetes:  # here, not three failed runs later
             teams = policy.teams_of(viewer.name, self.current_user.get("groups") or [])
-            problem = workdir_problem(submission.workdir, viewer.name, teams, self.settings["run_as"] == "user")
+            # in a thread: the check runs a shell, which a hung mount could hold, and the service serves everyone
+            problem = await ioloop.IOLoop.current().run_in_executor(
+                None, workdir_problem, submission.workdir, viewer.name, teams, self.settings["run_as"] == "user")
             if problem:
                 raise web.HTTPError(400, problem)
         if resolved.image is not None and not kubernetes:  # its runs start from the image's environment here
