@@ -79,6 +79,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def machine_claim_given_back():
+    """Root hubs of the suite take the machine's gpupool accounts over (`Hub.start`, `claim_machine`); at the end
+    the record names again the platform it named before, so that the admin's own `gpupool up` is not refused on
+    account of a test's state folder that pytest keeps."""
+    from gpupool.spawner.accounts import DEFAULT_RECORD, _locked_record
+
+    record = Path(DEFAULT_RECORD)
+    before = json.loads(record.read_text()).get("platform") if record.exists() else None
+    yield
+    if os.geteuid() != 0 or not record.exists():
+        return
+    with _locked_record(record) as now:
+        if before is None:
+            now.pop("platform", None)
+        else:
+            now["platform"] = before
+
+
 def find_postgres_bin() -> Path | None:
     """The folder holding initdb and pg_ctl: on PATH, else the newest /usr/lib/postgresql/*/bin."""
     found = [shutil.which(tool) for tool in PG_TOOLS]
