@@ -299,7 +299,7 @@ def registry_has_no_credentials(registry: Path, secrets: tuple[str, ...], root: 
                                text=True, check=True).stdout
         assert 'remote "' in shown and not repository_config_problems(dict(ConfigObj(shown.splitlines())), root), shown
     for secret in secrets:
-        found = subprocess.run(["git", "-C", registry, "grep", "-F", secret, *revs], capture_output=True, text=True,
+        found = subprocess.run(["git", "-C", registry, "grep", "-F", "-e", secret, *revs], capture_output=True, text=True,
                                check=False)
         assert found.returncode == 1, found.stdout
 
