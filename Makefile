@@ -214,7 +214,7 @@ test-system-packages:
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v chromedriver >/dev/null || missing="$$missing chromium-driver")
 
-# The real Kubernetes control plane the Kubernetes mode's tests run against (tests/test_kube_cluster.py): etcd,
+# The real Kubernetes control plane the Kubernetes mode's tests run against (tests/e2e/test_kube_cluster.py): etcd,
 # kube-apiserver, kube-controller-manager, kube-scheduler, kubectl and KWOK, built from the Go module proxy at the
 # versions of kube/versions.env into ~/.cache/gpupool/kube (GPUPOOL_KUBE_CACHE), outside the repository. Cold:
 # about 6 minutes on two cores (downloads included); warm: nothing to do.
@@ -225,10 +225,10 @@ kube-tools:
 test: install-test kube-tools images
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The two halves of `make test` (tests/conftest.py marks them): unit tests (in-process, a few minutes) and
-# end-to-end tests (a real hub, services, PostgreSQL, S3, Chromium).
+# The two halves of `make test`, by folder (tests/conftest.py marks them): unit tests (tests/unit: in-process,
+# a few minutes) and end-to-end tests (tests/e2e: a real hub, services, PostgreSQL, S3, Chromium).
 test-unit: install-test
-	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit -m "not e2e" $(PYTEST_ARGS)
 
 test-e2e: install-test kube-tools images
 	$(BIN)/python -m pytest -m e2e $(PYTEST_ARGS)

@@ -71,7 +71,7 @@ CHOICE_TRAITS = (
 
 
 #: What this module relies on of KubeSpawner (and of JupyterHub's Spawner) beyond their configuration traits: the
-#: class, the member, and its parameters where it is called or overridden. `tests/test_kube_spawner.py` checks each against the installed releases, so a release
+#: class, the member, and its parameters where it is called or overridden. `tests/unit/spawner/test_kube_spawner.py` checks each against the installed releases, so a release
 #: that renames, removes or re-signs one fails there, by name, instead of at a user's first spawn.
 UPSTREAM_INTERNALS: tuple[tuple[str, str, tuple[str, ...] | None], ...] = (
     ("kubespawner.KubeSpawner", "_start", ("self",)),  # overridden: admission runs before the pod

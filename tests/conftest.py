@@ -35,22 +35,15 @@ PG_TOOLS = ("initdb", "pg_ctl")
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--gpu", action="store_true", default=False,
-                     help="also run the tests that need a real NVIDIA GPU and driver (tests/test_gpu.py)")
+                     help="also run the tests that need a real NVIDIA GPU and driver (tests/e2e/test_gpu.py)")
 
 
-#: The end-to-end test modules: each starts real processes (a hub with its proxy, spawned servers and services,
-#: Chromium, Helm, system accounts). Their tests, and every test against PostgreSQL or SeaweedFS, are marked
-#: `e2e`; all others are unit tests, in-process and quick: `make test-unit` runs those alone, `make test-e2e` the
-#: rest. (tests/test_layers.py checks that every module starting a hub is listed here.)
-E2E_MODULES = frozenset({
-    "test_accounting_restart", "test_accounting_service", "test_cli_team", "test_concurrent_spawns",
-    "test_datasets", "test_embedded", "test_gpu", "test_helm", "test_identity_hub", "test_jobs_embedded", "test_journey",
-    "test_availability", "test_kube_cluster", "test_culler", "test_idle_signals", "test_lab_idle",
-    "test_jupyterhub_contract", "test_lifecycle", "test_mlflow_service", "test_named_servers", "test_queue_restart",
-    "test_server_env", "test_spawner_contract", "test_system_users", "test_team_terminals", "test_finetune",
-    # installs the images' lock files into environments (uv), rebuilds the finetune one
-    "test_images",
-})
+#: The kind of a test is its folder: `tests/unit/<layer>/` runs in-process (no server started for it),
+#: `tests/e2e/` starts real processes (a hub with its proxy, spawned servers and services, Chromium, system
+#: accounts, the Kubernetes control plane). Every test in `tests/e2e/`, and every test against the PostgreSQL or
+#: SeaweedFS server the session starts, is marked `e2e`: `make test-unit` runs the rest, `make test-e2e` those.
+#: (tests/unit/project/test_layers.py checks that no unit module starts a hub.)
+E2E_FOLDER = Path(__file__).resolve().parent / "e2e"
 #: Fixtures that start a real server for the test.
 E2E_FIXTURES = frozenset({"postgres_server", "s3_server"})
 
@@ -63,7 +56,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def is_e2e(item: pytest.Item) -> bool:
-    return (item.module.__name__.rpartition(".")[2] in E2E_MODULES or "postgresql" in item.keywords
+    return (E2E_FOLDER in Path(str(item.path)).parents or "postgresql" in item.keywords
             or not E2E_FIXTURES.isdisjoint(getattr(item, "fixturenames", ())))
 
 

@@ -1,6 +1,6 @@
 """pytest plugin: JupyterHub's own spawner tests, run with `LocalGPUSpawner` in place of the stock spawner.
 
-`tests/test_jupyterhub_contract.py` runs the installed `jupyterhub` package's shipped `test_spawner`,
+`tests/e2e/test_jupyterhub_contract.py` runs the installed `jupyterhub` package's shipped `test_spawner`,
 `test_named_servers` and `test_api` in a pytest of their own with `-p jupyterhub_contract`. Importing this
 plugin (before JupyterHub's test modules are imported) replaces `jupyterhub.spawner.SimpleLocalProcessSpawner`,
 the stock spawner of those tests and the base of their `MockSpawner`, with `ContractSpawner`: a

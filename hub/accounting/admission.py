@@ -92,7 +92,7 @@ class Reason(StrEnum):
 
 
 def reason_reference() -> str:
-    """The reason codes as a Markdown table (docs/admission.md; `tests/test_readme.py` keeps it current)."""
+    """The reason codes as a Markdown table (docs/admission.md; `tests/unit/project/test_readme.py` keeps it current)."""
     rows = ["| code | outcome | when |", "|---|---|---|"]
     rows += [f"| `{code}` | {code.action} | {code.meaning} |" for code in Reason]
     return "\n".join(rows)

@@ -1,0 +1,53 @@
+"""JupyterHub's own suite is part of ours: its shipped spawner, named-server and REST API tests, run with
+`LocalGPUSpawner` swapped in (the plugin `tests/jupyterhub_contract.py`, which also lists the differences that
+are gpupool's by design). A JupyterHub upgrade that changes the spawner contract fails here, not for a user.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import jupyterhub
+
+from gpupool.hub.config import REPO_ROOT
+
+MODULES = ("jupyterhub.tests.test_spawner", "jupyterhub.tests.test_named_servers", "jupyterhub.tests.test_api")
+
+
+def run_jupyterhub_tests(folder: Path, *modules: str, select: str = "") -> tuple[subprocess.CompletedProcess, list]:
+    """JupyterHub's test `modules` with the contract plugin, in a pytest of their own; (process, failures)."""
+    env = dict(os.environ)
+    # The hub's proxy and `jupyterhub-singleuser` as JupyterHub's tests expect them: on PATH.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), str(REPO_ROOT / "node_modules" / ".bin"),
+                                   env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    env["GPUPOOL_CONTRACT_ROOT"] = str(folder / "gpupool")
+    report = folder / "junit.xml"
+    command = [
+        sys.executable, "-m", "pytest", "-p", "jupyterhub_contract", "-p", "no:cacheprovider",
+        "--rootdir", str(folder), "-c", os.devnull, "-q", "-rfE", f"--junitxml={report}",
+        # JupyterHub's own pytest settings (its pyproject.toml is not shipped with the package).
+        "-o", "asyncio_mode=auto", "-o", "asyncio_default_fixture_loop_scope=module",
+        "-o", "asyncio_default_test_loop_scope=module", "-W", "ignore::pytest.PytestUnknownMarkWarning",
+        "-o", "junit_logging=all",  # the hub's log of a failed test, in the report
+        *(["-k", select] if select else []), "--pyargs", *modules,
+    ]
+    done = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=2400)
+    failures = []
+    if report.exists():
+        for case in ET.parse(report).iter("testcase"):
+            if case.find("failure") is not None or case.find("error") is not None:
+                failures.append(f"{case.get('classname')}::{case.get('name')}")
+    return done, failures
+
+
+def test_jupyterhub_spawner_named_servers_and_api_tests_pass_with_local_gpu_spawner(tmp_path):
+    done, failures = run_jupyterhub_tests(tmp_path, *MODULES)
+    summary = done.stdout[-6000:] + done.stderr[-2000:]
+    assert done.returncode == 0 and not failures, (
+        f"JupyterHub {jupyterhub.__version__}'s tests failed with LocalGPUSpawner: {failures}\n{summary}"
+    )

@@ -1,0 +1,161 @@
+"""JupyterLab's warning before the idle culler stops a server, as its user sees it, on one real `gpupool up` (one
+H200 declared, no GPU): the culler as the hub starts it (a pass a second), alice's JupyterLab in headless Chromium
+with the labextension gpupool-idle and the server extension gpupool.hub.lab_idle that `make install` put into the
+servers' environment. The screenshot goes into the docs (docs/screenshots/lab-idle-warning.png).
+
+The policy's times are seconds, not minutes, but longer than test_culler.py's: JupyterLab asks at its start and
+then every minute, so the warning stands through two of its checks (warned after 6 s idle, stopped after 3 min
+idle; loading JupyterLab is CPU work of the server that may start the idle time again).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import requests
+
+from gpupool.hub.harness import Browser, Hub, wait_for
+from gpupool.hub.lab_idle import culler_url, this_server, warned
+
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+POLICY = {
+    "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [whole]}\n"
+                 "inventory:\n  - {model: H200, count: 1}\n",
+    "teams.yaml": "teams:\n  vision: {quota: {gpus: 1, per_user_gpus: 1}}\n",
+    "profiles.yaml": "profiles:\n  h200: {display_name: 1 × H200, gpu: {model: H200, count: 1}, teams: [vision]}\n",
+    # Warned after 6 s idle, stopped 474 s later: JupyterLab checks every minute, and the test sees two checks
+    # and keeps it well before, on a busy machine too. "Keep it 1 h" is granted whole once; a second keep is
+    # refused with the policy's reason.
+    "settings.yaml": "settings:\n"
+                     "  idle: {after_minutes: 8, warn_minutes: 7.9, cpu_below_percent: 50, keep_max_hours: 1}\n",
+}
+
+
+def test_a_warning_stands_until_the_stop_it_announces_is_postponed():
+    row = {"user": "alice", "server": "", "state": "warned", "cull_at": "2026-05-01T10:02:00+00:00",
+           "keep_until": None, "message": "alice's server has been idle ..."}
+    assert warned(row) and warned({**row, "state": "warn"})
+    assert not warned({**row, "state": "idle"}) and not warned({**row, "state": "active"}) and not warned(None)
+    # Kept since the culler's last look: the stop it announced is past the keep's end no more.
+    assert not warned({**row, "keep_until": "2026-05-01T11:00:00+00:00"})
+    # Warned anew for the end of a keep: the stop is the keep's end (or later).
+    assert warned({**row, "keep_until": "2026-05-01T10:02:00+00:00"})
+    assert warned({**row, "keep_until": "2026-05-01T09:00:00+00:00"})
+    named = {**row, "server": "big"}
+    assert this_server([named, row], "alice", "") is row and this_server([named, row], "alice", "big") is named
+    assert this_server([row], "bob", "") is None
+    assert culler_url({"GPUPOOL_HUB_URL": "http://127.0.0.1:8000/"}) == "http://127.0.0.1:8000/services/culler/"
+    assert (culler_url({"JUPYTERHUB_PUBLIC_HUB_URL": "https://hub.example/hub/"})
+            == "https://hub.example/services/culler/")
+    assert culler_url({}) is None
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    extra = """
+c.LocalGPUSpawner.run_as = "self"
+for service in c.JupyterHub.services:
+    if service["name"] == "culler":  # a pass a second
+        service["command"] = service["command"] + ["--interval=1"]
+"""
+    hub = Hub(tmp_path_factory.mktemp("lab-idle"), POLICY, extra, mlflow=False)
+    hub.start()
+    try:
+        yield hub
+    finally:
+        hub.stop()
+
+
+def seen_by_culler(hub: Hub, token: str) -> dict:
+    reply = requests.get(f"{hub.url}/services/culler/api/servers", headers={"Authorization": f"token {token}"},
+                         timeout=60)
+    assert reply.status_code == 200, reply.text
+    servers = reply.json()["servers"]
+    return servers[0] if servers else {}
+
+
+def warnings(browser: Browser) -> list[str]:
+    """The texts of the idle warnings JupyterLab shows (its notifications' toasts)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    try:
+        return [t.text for t in browser.css(".Toastify__toast") if "will be stopped at" in t.text]
+    except StaleElementReferenceException:  # redrawn while read: read again
+        return warnings(browser)
+
+
+def test_jupyterlab_warns_before_the_stop_and_keeps_the_server(hub):
+    chromium, driver = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
+    if not chromium or not driver:
+        pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver)")
+    sessions = hub.sign_up(["alice"], "lab-idle-test")
+    hub.add_user("alice", "vision")
+    token = hub.user_token("alice")
+    auth = {"Authorization": f"token {token}"}
+    reply = requests.post(f"{hub.url}/hub/api/users/alice/server", json={"profile": "h200"}, headers=auth, timeout=60)
+    assert reply.status_code in (201, 202), reply.text
+    hub.wait_ready("alice", timeout=240)
+    wait_for(lambda: seen_by_culler(hub, token).get("state") in ("warn", "warned"), timeout=120,
+             message=f"alice's server was never warned: {seen_by_culler(hub, token)}")
+
+    # The server extension, as JupyterLab asks it (here with alice's token through the hub's proxy): it asks the
+    # culler with the server's own token.
+    lab = f"{hub.url}/user/alice/gpupool/idle"
+    answer = requests.get(lab, headers=auth, timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["warned"] is True and "will be stopped at" in answer.json()["server"]["message"]
+    assert requests.get(lab, timeout=60, allow_redirects=False).status_code in (302, 403)  # nobody's login
+
+    browser = Browser(chromium, driver)
+    try:
+        browser.log_in_as(hub.url, sessions["alice"])
+        browser.start_recording()
+        browser.get(f"{hub.url}/user/alice/lab")
+        # At JupyterLab's start, or at its next minute's check if loading it made the server busy meanwhile.
+        browser.wait_for_text("will be stopped at", timeout=200)
+        # JupyterLab draws a notification's words before its buttons: read it once the buttons are there too.
+        browser.wait(lambda d: any("Keep it 1 h" in w for w in warnings(browser)), 60,
+                     f"the warning never showed its buttons: {warnings(browser)}")
+        first = warnings(browser)
+        assert len(first) == 1, first
+        assert "Keep it 1 h" in first[0] and "UTC to give its GPU back to the pool" in first[0], first
+        # The culler's words change as the idle time grows ("idle for 1 min" a minute later; later still if the
+        # server was busy while JupyterLab loaded, which starts the idle time again). JupyterLab's next check (one
+        # a minute) then updates the notification with them: updated, not shown twice.
+        wait_for(lambda: not first[0].startswith(seen_by_culler(hub, token).get("message") or first[0]),
+                 timeout=300, message=f"the culler's words never changed: {seen_by_culler(hub, token)}")
+        # One warning in the end, with the new words: updated in place, or (when the server's stop time moved)
+        # replaced, the old one leaving as the new one comes; never two that stay.
+        browser.wait(lambda d: len(now := warnings(browser)) == 1 and now != first, 100,
+                     f"the warning was never updated to one: {warnings(browser)}; the culler: "
+                     f"{seen_by_culler(hub, token)}")
+        assert browser.css(".jp-Notification-Status-Text")[0].text == "1"  # one in the notification centre too
+        browser.wait_page_loaded()
+        browser.screenshot(SCREENSHOTS / "lab-idle-warning.png")
+        toasts = [t for t in browser.css(".Toastify__toast") if "will be stopped at" in t.text]
+
+        keep = [b for b in toasts[0].find_elements("css selector", "button") if b.text == "Keep it 1 h"]
+        assert keep, toasts[0].get_attribute("outerHTML")
+        keep[0].click()
+        browser.wait_for_text("Kept: this server will not be stopped before", timeout=60)
+        # The warning goes with the keep (it may still be leaving as the confirmation comes)
+        browser.wait(lambda d: "will be stopped at" not in browser.text(), 30,
+                     f"the warning stayed after the keep: {browser.text()[:3000]}")
+        assert not [r for r in browser.failed_requests() if "/gpupool/" in r], browser.failed_requests()
+        assert not [e for e in browser.console_errors() if "gpupool" in e], browser.console_errors()
+    finally:
+        browser.quit()
+
+    # The culler has it: kept for the hour asked, and so no longer warned.
+    kept = seen_by_culler(hub, token)
+    assert kept["keep_until"] and kept["kept_hours"] == 1.0, kept
+    answer = requests.get(lab, headers=auth, timeout=60).json()
+    assert answer["warned"] is False and answer["server"]["keep_until"] == kept["keep_until"], answer
+    # A second hour is more than the policy allows: the culler's reason comes back as it gave it.
+    refused = requests.post(f"{lab}/keep", json={"hours": 1}, headers=auth, timeout=60)
+    assert refused.status_code == 409 and "keep_max_hours: 1" in refused.json()["message"], refused.text
+    assert requests.post(f"{lab}/keep", json={"days": 1}, headers=auth, timeout=60).status_code == 400
+    assert seen_by_culler(hub, token)["kept_hours"] == 1.0
+    hub.stop_server("alice", timeout=120)
