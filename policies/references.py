@@ -5,7 +5,9 @@ Each problem is returned with the path of the offending key so that the loader c
 
 from __future__ import annotations
 
-from gpupool.policies.model import DNS_LABEL, KNOWN_MIG_PROFILES, RESERVED_TEAM_NAMES, Policy
+from fractions import Fraction
+
+from gpupool.policies.model import DNS_LABEL, KNOWN_MIG_PROFILES, RESERVED_TEAM_NAMES, Policy, parse_quantity
 # The share translation decides what a profile can be given, so an undeliverable profile is a policy error.
 from gpupool.policies.resources import gpu_resources
 
@@ -97,7 +99,10 @@ def check_references(policy: Policy) -> list[tuple[Path, str]]:
                 (("teams", name, "queue", "parent"), f"unknown parent queue {parent!r} (teams: {', '.join(teams)})")
             )
 
-    problems.extend(_queue_cycles(policy))
+    cycles = _queue_cycles(policy)
+    problems.extend(cycles)
+    if not cycles:
+        problems.extend(_queue_hierarchy(policy))
     problems.extend(_dataset_roots(policy))
 
     for model in policy.billing.prices:
@@ -122,6 +127,74 @@ def _queue_cycles(policy: Policy) -> list[tuple[Path, str]]:
                 break
             chain.append(current)
             current = policy.teams[current].queue.parent
+    return problems
+
+
+def _queue_hierarchy(policy: Policy) -> list[tuple[Path, str]]:
+    """A parent queue's figures cover its children's, as Volcano's capacity plugin (enableHierarchy) requires.
+
+    The plugin reads a child's deserved as max(deserved, guarantee) and logs an error on every scheduling cycle
+    when the children's deserved or guarantees add up to more than their parent's, or a child's capability is
+    above its parent's. The policy check refuses such a tree instead of raising the parent's figures itself:
+    a parent's deserved decides what its siblings may reclaim from it, which is the admin's choice to make.
+    """
+    problems: list[tuple[Path, str]] = []
+
+    def figures(values: dict[str, object] | None) -> dict[str, Fraction]:
+        return {name: parse_quantity(value) for name, value in (values or {}).items()}
+
+    def effective_deserved(team: str) -> dict[str, Fraction]:
+        queue = policy.teams[team].queue
+        deserved, guarantee = figures(queue.deserved), figures(queue.guarantee)
+        return {name: max(deserved.get(name, Fraction(0)), guarantee.get(name, Fraction(0)))
+                for name in deserved.keys() | guarantee.keys()}
+
+    def text(value: Fraction) -> str:
+        for suffix, factor in (("Ti", 1024 ** 4), ("Gi", 1024 ** 3), ("Mi", 1024 ** 2)):
+            if value >= factor and value % factor == 0:
+                return f"{value // factor}{suffix}"
+        return str(value.numerator) if value.denominator == 1 else str(float(value))
+
+    children: dict[str, list[str]] = {}
+    for name, team in policy.teams.items():
+        if team.queue.parent in policy.teams:
+            children.setdefault(team.queue.parent, []).append(name)
+    for parent, kids in children.items():
+        queue = policy.teams[parent].queue
+        for field, own, of_child in (
+            ("deserved", effective_deserved(parent), effective_deserved),
+            ("guarantee", figures(queue.guarantee), lambda kid: figures(policy.teams[kid].queue.guarantee)),
+        ):
+            parts: dict[str, dict[str, Fraction]] = {}
+            for kid in kids:
+                for name, value in of_child(kid).items():
+                    parts.setdefault(name, {})[kid] = value
+            totals = {name: sum(by_kid.values(), Fraction(0)) for name, by_kid in parts.items()}
+            over = [name for name in sorted(totals) if totals[name] > own.get(name, Fraction(0))]
+            if over:
+                detail = "; ".join(
+                    f"{name}: {' + '.join(f'{kid} {text(v)}' for kid, v in parts[name].items())}"
+                    f"{' = ' + text(totals[name]) if len(parts[name]) > 1 else ''} > "
+                    f"{parent} {text(own[name]) if name in own else 'none'}" for name in over)
+                kind = "deserved (or guarantee where larger)" if field == "deserved" else "guarantees"
+                problems.append(
+                    (("teams", parent, "queue", field),
+                     f"the child queues' {kind} add up to more than parent queue {parent!r} has in its {field} "
+                     f"({detail}); give {parent!r} at least the children's sum, or lower theirs")
+                )
+        parent_capability = figures(queue.capability)
+        for kid in kids:
+            capability = figures(policy.teams[kid].queue.capability)
+            over = [name for name in sorted(capability)
+                    if name in parent_capability and capability[name] > parent_capability[name]]
+            if over:
+                detail = "; ".join(f"{name}: {text(capability[name])} > {text(parent_capability[name])}"
+                                   for name in over)
+                problems.append(
+                    (("teams", kid, "queue", "capability"),
+                     f"capability above its parent queue {parent!r}'s ({detail}); the parent's limit applies "
+                     f"anyway: lower it to at most the parent's")
+                )
     return problems
 
 

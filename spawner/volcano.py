@@ -20,6 +20,8 @@ from gpupool.spawner.wiring import (ACCOUNTING_SERVICE, CULLER_SERVICE, JOBS_SER
                                     service_roles, team_groups)
 
 QUEUE_API_VERSION = "scheduling.volcano.sh/v1beta1"
+#: Volcano's root queue (vc-controller-manager makes it), the parent of every top-level team queue.
+ROOT_QUEUE = "root"
 PRIORITY_CLASS_API_VERSION = "scheduling.k8s.io/v1"
 
 #: The PriorityClass of work admitted beyond an exhausted budget (`on_exhausted: deprioritize`).
@@ -182,9 +184,9 @@ def queue(policy: Policy, team: str, release: Release) -> dict[str, Any]:
         spec["deserved"] = dict(settings.deserved)
     if settings.guarantee:
         spec["guarantee"] = {"resource": dict(settings.guarantee)}
-    # Volcano reads an empty parent as `root`; leaving it out keeps flat (non-hierarchical) set-ups valid.
-    if settings.parent is not None:
-        spec["parent"] = team_queue(settings.parent)
+    # Top-level queues name `root` themselves: vc-controller-manager otherwise writes `parent: root` and owns
+    # the field, and a later render giving the team a parent fails `kubectl apply --server-side` on a conflict.
+    spec["parent"] = team_queue(settings.parent) if settings.parent is not None else ROOT_QUEUE
     return {
         "apiVersion": QUEUE_API_VERSION,
         "kind": "Queue",

@@ -135,7 +135,7 @@ def test_default_policies_render_queues_classes_and_the_policy_configmap():
             "name": "vision",
             "labels": {**LABELS, "app.kubernetes.io/component": "queue", "gpupool.io/team": "vision"},
         },
-        "spec": {"weight": 2, "priority": 100, "reclaimable": True},
+        "spec": {"weight": 2, "priority": 100, "reclaimable": True, "parent": "root"},
     }
     classes = by_name(objects, "PriorityClass")
     assert classes["gpupool-vision"] == {
@@ -181,8 +181,10 @@ def test_example_queues_form_a_hierarchy_parents_first():
         "kind": "Queue",
         "metadata": {"name": "research", "labels": {**labels, "gpupool.io/team": "research"}},
         "spec": {
-            "weight": 4, "priority": 100, "reclaimable": False,
+            "weight": 4, "priority": 100, "reclaimable": False, "parent": "root",
             "capability": {"cpu": "512", "memory": "4Ti", "nvidia.com/gpu": "32"},
+            "deserved": {"cpu": "256", "memory": "2Ti", "nvidia.com/gpu": "16"},
+            "guarantee": {"resource": {"cpu": "32", "memory": "256Gi", "nvidia.com/gpu": "2"}},
         },
     }
     assert queues["vision"] == {
@@ -195,8 +197,9 @@ def test_example_queues_form_a_hierarchy_parents_first():
             "guarantee": {"resource": {"cpu": "32", "memory": "256Gi", "nvidia.com/gpu": "2"}},
         },
     }
-    # A team without a parent has none: Volcano reads that as `root`, and flat set-ups stay valid.
-    assert "parent" not in queues["students"]["spec"]
+    # A team without a parent names `root` itself, so that vc-controller-manager never becomes the owner of
+    # spec.parent (which would make a later re-parenting `kubectl apply --server-side` conflict).
+    assert queues["students"]["spec"]["parent"] == "root"
     assert by_name(objects, "ConfigMap")["pool-policies"]["metadata"]["namespace"] == "jhub"
 
 

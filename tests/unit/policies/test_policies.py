@@ -88,6 +88,19 @@ BROKEN = {
     "queue cycle": (TEAMS, [("      weight: 2\n", "      weight: 2\n      parent: nlp\n"),
                             ("      weight: 1\n", "      weight: 1\n      parent: vision\n")],
                     "queue parents form a cycle: vision → nlp → vision"),
+    "child deserved above its parent's": (TEAMS, [("      weight: 2\n", "      weight: 2\n      deserved: {nvidia.com/gpu: 1}\n"),
+                                                 ("      weight: 1\n", "      weight: 1\n      parent: vision\n"
+                                                  "      deserved: {nvidia.com/gpu: 2}\n")],
+                                          "add up to more than parent queue 'vision' has in its deserved "
+                                          "(nvidia.com/gpu: nlp 2 > vision 1)"),
+    "child guarantee above its parent's": (TEAMS, ("      weight: 1\n", "      weight: 1\n      parent: vision\n"
+                                                   "      guarantee: {cpu: 4}\n"),
+                                           "guarantees add up to more than parent queue 'vision' has in its "
+                                           "guarantee (cpu: nlp 4 > vision none)"),
+    "child capability above its parent's": (TEAMS, [("      weight: 2\n", "      weight: 2\n      capability: {cpu: 8}\n"),
+                                                   ("      weight: 1\n", "      weight: 1\n      parent: vision\n"
+                                                    "      capability: {cpu: 16}\n")],
+                                            "capability above its parent queue 'vision''s (cpu: 16 > 8)"),
     "reserved team name": (TEAMS, ("  nlp:\n", "  kube-system:\n"), "reserved"),
     "non-DNS team name": (TEAMS, ("  nlp:\n", "  NLP_team:\n"), "not DNS-safe"),
     "negative price": (BILLING, ('H200: "3.20"', 'H200: "-3.20"'), "must not be negative"),
@@ -167,6 +180,62 @@ def test_error_points_at_the_offending_line(tmp_path):
     assert problem.file.endswith(TEAMS)
     assert text[problem.line - 1].strip() == 'priority: "10h"'
     assert problem.path == ("teams", "vision", "priority")
+
+
+HIERARCHY = """\
+teams:
+  division:
+    queue:
+      deserved: {nvidia.com/gpu: 4, memory: 64Gi}
+      guarantee: {nvidia.com/gpu: 1}
+  alpha:
+    queue:
+      parent: division
+      deserved: {nvidia.com/gpu: 2, memory: 32Gi}
+      guarantee: {nvidia.com/gpu: 1}
+  beta:
+    queue:
+      parent: division
+      deserved: {nvidia.com/gpu: 1, memory: 32Gi}
+"""
+
+
+def _hierarchy(tmp_path: Path, text: str) -> Path:
+    directory = tmp_path / "policies"
+    directory.mkdir()
+    (directory / "teams.yaml").write_text(text)
+    return directory
+
+
+def test_a_queue_tree_whose_parent_covers_its_children_is_accepted(tmp_path):
+    policy = load_policy(_hierarchy(tmp_path, HIERARCHY))
+    assert policy.teams["beta"].queue.parent == "division"
+
+
+@pytest.mark.parametrize("change, field, expected", [
+    # Each child fits alone; together they ask for 5 cards of the parent's 4.
+    (("nvidia.com/gpu: 1, memory: 32Gi}", "nvidia.com/gpu: 3, memory: 32Gi}"), "deserved",
+     "(nvidia.com/gpu: alpha 2 + beta 3 = 5 > division 4)"),
+    # Volcano reads a child's deserved as max(deserved, guarantee): beta's guarantee of 3 counts as its deserved.
+    (("nvidia.com/gpu: 1, memory: 32Gi}\n", "nvidia.com/gpu: 1, memory: 32Gi}\n      guarantee: {nvidia.com/gpu: 3}\n"),
+     "deserved", "(nvidia.com/gpu: alpha 2 + beta 3 = 5 > division 4)"),
+    (("memory: 64Gi}", "memory: 48Gi}"), "deserved", "(memory: alpha 32Gi + beta 32Gi = 64Gi > division 48Gi)"),
+    (("memory: 64Gi}\n      guarantee: {nvidia.com/gpu: 1}\n", "memory: 64Gi}\n"), "guarantee",
+     "(nvidia.com/gpu: alpha 1 > division none)"),
+])
+def test_a_queue_tree_whose_children_outgrow_their_parent_is_refused(tmp_path, capsys, change, field, expected):
+    old, new = change
+    assert HIERARCHY.count(old) == 1, "test case does not apply"
+    directory = _hierarchy(tmp_path, HIERARCHY.replace(old, new))
+    with pytest.raises(PolicyError) as raised:
+        load_policy(directory)
+    (problem,) = [p for p in raised.value.problems if expected in p.message]
+    assert problem.path == ("teams", "division", "queue", field)
+    # The problem points into the parent's queue in the file.
+    lines = (directory / "teams.yaml").read_text().splitlines()
+    assert lines.index("  division:") < problem.line - 1 < lines.index("  alpha:")
+    assert main(["policy", "check", str(directory)]) != 0
+    assert f"teams.yaml:{problem.line}:" in capsys.readouterr().err
 
 
 def test_unknown_key_points_at_the_key(tmp_path):
