@@ -160,9 +160,8 @@ class KubeJobRunner:
         while True:
             try:
                 if version is None:
-                    reply = await self.core.list_namespaced_pod(self.namespace, label_selector=self.selector,
-                                                                _preload_content=False)
-                    listed = json.loads(await reply.read())
+                    listed = await _answer(await self.core.list_namespaced_pod(
+                        self.namespace, label_selector=self.selector, _preload_content=False))
                     for pod in listed.get("items") or []:
                         self.see_pod(pod)
                     version = listed["metadata"]["resourceVersion"]
@@ -191,9 +190,9 @@ class KubeJobRunner:
 
     async def _look(self, job_id: str) -> None:
         """Read the job's pods now (what the watch will tell, told sooner)."""
-        reply = await self.core.list_namespaced_pod(self.namespace, label_selector=self.selector_of(job_id),
-                                                    _preload_content=False)
-        for pod in json.loads(await reply.read()).get("items") or []:
+        listed = await _answer(await self.core.list_namespaced_pod(
+            self.namespace, label_selector=self.selector_of(job_id), _preload_content=False))
+        for pod in listed.get("items") or []:
             self.see_pod(pod)
 
     def see_pod(self, pod: Mapping[str, Any], deleted: bool = False) -> None:
@@ -605,12 +604,13 @@ class PodLogs:
         from kubernetes_asyncio.client import ApiException
 
         try:
-            reply = await self.api.read_namespaced_pod(read.name, self.namespace, _preload_content=False)
-            return json.loads(await reply.read())["metadata"]["uid"] == read.uid
+            pod = await _answer(await self.api.read_namespaced_pod(read.name, self.namespace,
+                                                                  _preload_content=False))
         except ApiException as error:
             if error.status == 404:
                 return False
             raise
+        return pod["metadata"]["uid"] == read.uid
 
     async def _probe(self, job_id: str, read: _Read) -> None:
         """One byte more than is kept: fewer means the kubelet rotated the file since; then count anew from
@@ -706,6 +706,21 @@ class _Read:
     size: int
     since: datetime | None
     at: datetime | None
+
+
+async def _answer(reply) -> Any:
+    """The JSON body of an answer asked with `_preload_content=False`, which the client hands back unchecked: an
+    error answer (a deleted pod's 404 is a `Status` object, with no `metadata.uid`) raises `ApiException` with
+    its status, as the client does otherwise. The answer is closed either way."""
+    from kubernetes_asyncio.client import ApiException
+
+    try:
+        body = await reply.read()
+    finally:
+        reply.close()
+    if not 200 <= reply.status <= 299:
+        raise ApiException(status=reply.status, reason=body[:500].decode("utf-8", "replace"))
+    return json.loads(body)
 
 
 def _camel(name: str) -> str:
