@@ -88,19 +88,17 @@ BROKEN = {
     "queue cycle": (TEAMS, [("      weight: 2\n", "      weight: 2\n      parent: nlp\n"),
                             ("      weight: 1\n", "      weight: 1\n      parent: vision\n")],
                     "queue parents form a cycle: vision → nlp → vision"),
-    "child deserved above its parent's": (TEAMS, [("      weight: 2\n", "      weight: 2\n      deserved: {nvidia.com/gpu: 1}\n"),
-                                                 ("      weight: 1\n", "      weight: 1\n      parent: vision\n"
-                                                  "      deserved: {nvidia.com/gpu: 2}\n")],
-                                          "add up to more than parent queue 'vision' has in its deserved "
-                                          "(nvidia.com/gpu: nlp 2 > vision 1)"),
-    "child guarantee above its parent's": (TEAMS, ("      weight: 1\n", "      weight: 1\n      parent: vision\n"
-                                                   "      guarantee: {cpu: 4}\n"),
-                                           "guarantees add up to more than parent queue 'vision' has in its "
-                                           "guarantee (cpu: nlp 4 > vision none)"),
-    "child capability above its parent's": (TEAMS, [("      weight: 2\n", "      weight: 2\n      capability: {cpu: 8}\n"),
-                                                   ("      weight: 1\n", "      weight: 1\n      parent: vision\n"
-                                                    "      capability: {cpu: 16}\n")],
-                                            "capability above its parent queue 'vision''s (cpu: 16 > 8)"),
+    "child deserved above its parent's": (
+        TEAMS, [("      weight: 2\n", "      weight: 2\n      deserved: {nvidia.com/gpu: 1}\n"),
+                ("      weight: 1\n", "      weight: 1\n      parent: vision\n      deserved: {nvidia.com/gpu: 2}\n")],
+        "add up to more than parent queue 'vision' has in its deserved (nvidia.com/gpu: nlp 2 > vision 1)"),
+    "child guarantee above its parent's": (
+        TEAMS, ("      weight: 1\n", "      weight: 1\n      parent: vision\n      guarantee: {cpu: 4}\n"),
+        "guarantees add up to more than parent queue 'vision' has in its guarantee (cpu: nlp 4 > vision none)"),
+    "child capability above its parent's": (
+        TEAMS, [("      weight: 2\n", "      weight: 2\n      capability: {cpu: 8}\n"),
+                ("      weight: 1\n", "      weight: 1\n      parent: vision\n      capability: {cpu: 16}\n")],
+        "capability above its parent queue 'vision''s (cpu: 16 > 8)"),
     "reserved team name": (TEAMS, ("  nlp:\n", "  kube-system:\n"), "reserved"),
     "non-DNS team name": (TEAMS, ("  nlp:\n", "  NLP_team:\n"), "not DNS-safe"),
     "negative price": (BILLING, ('H200: "3.20"', 'H200: "-3.20"'), "must not be negative"),
