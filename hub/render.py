@@ -119,7 +119,7 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"gpupool render: {error}", file=sys.stderr)
         return 1
-    for note in volcano.wiring_notes(policy):
+    for note in volcano.wiring_notes(policy) + volcano.engine_notes(policy):
         print(f"note: {note}", file=sys.stderr)
 
     if objects is None:

@@ -439,6 +439,21 @@ def wiring_notes(policy: Policy) -> list[str]:
     return notes
 
 
+def engine_notes(policy: Policy) -> list[str]:
+    """What Volcano's scheduler, as the chart configures it (helm/gpupool/files/volcano-scheduler.conf), will not
+    do for these policies, in words for the operator."""
+    parents = {team.queue.parent for team in policy.teams.values()}
+    leaves = [name for name in policy.teams if name not in parents]
+    without = [name for name in leaves if not policy.teams[name].queue.deserved]
+    if len(leaves) < 2 or not without:
+        return []
+    return [
+        f"teams {', '.join(without)} have no queue.deserved: under Volcano's capacity plugin their servers "
+        "never reclaim other teams' deprioritized or preemptible work, and all of their own is reclaimable; "
+        "give each a deserved that covers its quota (docs/kubernetes.md, \"Volcano's scheduler configuration\")"
+    ]
+
+
 def helm_values(policy: Policy, files: Mapping[str, str], release: Release, culler: bool = True) -> dict[str, Any]:
     """The values file for helm/gpupool: the rendered objects, the policy files and the z2jh wiring.
 

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import importlib.util
 import io
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,9 @@ Z2JH_MISSING = (
     "https://hub.jupyter.org/helm-chart/, which this network cannot reach"
 )
 RELEASE, NAMESPACE = "pool", "jhub"
+#: Volcano's scheduler configuration that gpupool ships, given to Volcano's own chart (docs/kubernetes.md).
+SCHEDULER_CONF = CHART / "files" / "volcano-scheduler.conf"
+VOLCANO_CHART_FLAG = "custom.scheduler_config_override"
 #: What an operator adds to the generated values: the PostgreSQL server and the Secret with its password,
 #: which the hub gets too (it records usage).
 HUB_PASSWORD = {"valueFrom": {"secretKeyRef": {"name": "gpupool-postgres", "key": "password"}}}
@@ -445,3 +449,66 @@ def test_postgresql_needs_a_host_and_a_password_secret():
         render(merge(values, {"postgresql": {"existingSecret": ""}}))
     with pytest.raises(helm.HelmRenderError, match="postgresql.host"):
         render(merge(values, {"postgresql": {"host": ""}}))
+
+
+# --- Volcano's scheduler configuration -------------------------------------------------------------------
+
+
+def _versions() -> dict[str, str]:
+    text = (ROOT / "kube" / "versions.env").read_text()
+    return dict(line.split("=", 1) for line in text.splitlines() if line and not line.startswith("#"))
+
+
+def volcano_chart(into: Path) -> Path:
+    """Volcano's own chart (and its jobflow sub-chart), from its release archive in ../shared/upstream."""
+    archive = ROOT.parent / "shared" / "upstream" / _versions()["VOLCANO_ARCHIVE"]
+    if not archive.is_file():
+        pytest.skip(f"Volcano's release archive is not in {archive.parent} (kube/versions.env names it)")
+    top = archive.name.removesuffix(".tar.gz") + "/installer/helm/chart/volcano/"
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, members=[m for m in tar.getmembers() if m.name.startswith(top)], filter="data")
+    return into / top
+
+
+def volcano_objects(chart: Path, values: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    with helm.Chart.load(chart) as loaded:
+        manifests = loaded.render(values, name="volcano", namespace="volcano-system", is_install=True)
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects(manifests)}
+
+
+def actions(conf: dict[str, Any]) -> list[str]:
+    return [action.strip() for action in conf["actions"].split(",")]
+
+
+def test_volcanos_own_chart_given_the_shipped_file_runs_its_scheduler_with_it(tmp_path):
+    """What docs/kubernetes.md tells an admin to run (`--set-file custom.scheduler_config_override=...`)
+    puts exactly the shipped configuration where Volcano's scheduler reads it; without it, Volcano's chart
+    ships actions that never evict anyone (issue 35)."""
+    chart = volcano_chart(tmp_path)
+    shipped = SCHEDULER_CONF.read_text()
+    rendered = volcano_objects(chart, {"custom": {"scheduler_config_override": shipped}})
+    data = rendered["ConfigMap", "volcano-scheduler-configmap"]["data"]
+    assert yaml.safe_load(data["volcano-scheduler.conf"]) == yaml.safe_load(shipped)
+    pod = rendered["Deployment", "volcano-scheduler"]["spec"]["template"]["spec"]
+    (container,) = [c for c in pod["containers"] if c["name"] == "volcano-scheduler"]
+    assert "--scheduler-conf=/volcano.scheduler/volcano-scheduler.conf" in container["args"]
+    mounted = {m["name"] for m in container["volumeMounts"] if m["mountPath"] == "/volcano.scheduler"}
+    assert [v["configMap"]["name"] for v in pod["volumes"] if v["name"] in mounted] == ["volcano-scheduler-configmap"]
+
+    default = volcano_objects(chart, {})["ConfigMap", "volcano-scheduler-configmap"]["data"]
+    assert {"preempt", "reclaim"}.isdisjoint(actions(yaml.safe_load(default["volcano-scheduler.conf"])))
+
+
+def test_the_shipped_scheduler_configuration_preempts_and_reclaims_by_each_queues_own_deserved():
+    conf = yaml.safe_load(SCHEDULER_CONF.read_text())
+    assert actions(conf) == ["enqueue", "allocate", "preempt", "reclaim", "backfill"]
+    tiers = [{p["name"]: p for p in tier["plugins"]} for tier in conf["tiers"]]
+    plugins = {name: p for tier in tiers for name, p in tier.items()}
+    # capacity reads each queue's own deserved (proportion would derive it from weights over the cluster,
+    # and then never let one team reclaim another's over-budget work); hierarchy for queue.parent
+    assert plugins["capacity"].get("enableHierarchy") is True
+    assert "proportion" not in plugins
+    # preempt inside a queue goes by the PodGroup's priority (a deprioritized pod's class is the lowest)
+    assert "priority" in tiers[0]
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    assert f"--set-file {VOLCANO_CHART_FLAG}=helm/gpupool/files/volcano-scheduler.conf" in docs

@@ -348,6 +348,24 @@ def test_teams_from_the_authenticator_hand_groups_to_it_and_say_what_is_lost():
     assert "member lists of students" in err
 
 
+def test_teams_without_a_deserved_are_named_since_they_cannot_reclaim(tmp_path):
+    code, _, err = run("render", "--policies", str(EXAMPLES_DIR))
+    assert code == 0
+    # research is a parent (takes no pods); vision has a deserved
+    assert "note: teams nlp, students have no queue.deserved: under Volcano's capacity plugin" in err
+    policies = tmp_path / "policies"
+    shutil.copytree(EXAMPLES_DIR, policies)
+    teams = policies / "teams.yaml"
+    text = teams.read_text()
+    for weight in ("      weight: 2\n    quota: {gpus: 8, per_user_gpus: 4}", "      weight: 1\n      capability"):
+        assert text.count(weight) == 1
+        text = text.replace(weight, weight.replace("\n", "\n      deserved: {nvidia.com/gpu: 2}\n", 1))
+    teams.write_text(text)
+    code, _, err = run("render", "--policies", str(policies))
+    assert code == 0, err
+    assert "queue.deserved" not in err
+
+
 @pytest.mark.parametrize("section, module, name", [
     ("JupyterHub", "jupyterhub.app", "JupyterHub"),
     ("Authenticator", "jupyterhub.auth", "Authenticator"),
