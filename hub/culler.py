@@ -17,6 +17,9 @@ token (`POST api/activity`), so the culler never sends a token of its own to a s
 
 Its hub scopes (README, "Scopes of the services"): `list:users`, `read:users:name`, `read:servers`,
 `admin:server_state` (a server's PID, cards and ledger run) and `delete:servers` (the stop).
+
+It reads the time through one `Clock`: the system clock, unless its admin names an offset file for tests
+(`clock_offset_file`), which then let idle rules written in minutes pass without waiting them out.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import math
 import os
 import time
 import urllib.parse
 from dataclasses import asdict
 from datetime import datetime, timedelta
 from fractions import Fraction
+from pathlib import Path
 
 from jupyterhub.services.auth import HubOAuthCallbackHandler
 from markupsafe import Markup
@@ -80,10 +85,72 @@ def _options_of(state: dict) -> tuple[str, str] | None:
     return choice["team"], choice["profile"]
 
 
-def _started(server: dict) -> datetime:
+def _started(server: dict, clock: Clock) -> datetime:
     started = server.get("started")
-    moment = datetime.fromisoformat(started.replace("Z", "+00:00")) if started else periods.utcnow()
-    return periods.ensure_utc(moment)
+    if not started:
+        return clock.now()
+    return clock.from_system(periods.ensure_utc(datetime.fromisoformat(started.replace("Z", "+00:00"))))
+
+
+class Clock:
+    """The culler's time: the system clock (`periods.utcnow`), moved by the seconds written in `offset_file` when
+    the admin names one (`IdleCuller.clock_offset_file`). Tests move it forward instead of waiting out idle
+    windows, as jupyterhub-idle-culler's tests move its `utcnow`.
+
+    The file is read at every reading of the clock. Its offset may only grow: the culler's records (idle since,
+    warned for, kept until) are in its time, which never goes back. Times that other processes give in the system
+    clock (a server's start, its latest kernel activity) are moved by the offset in force when they happened, as
+    far as the culler saw it.
+    """
+
+    def __init__(self, offset_file: str = ""):
+        self.offset_file = offset_file
+        #: (system time at which the culler first read an offset, that offset), oldest first.
+        self._offsets: list[tuple[datetime, timedelta]] = []
+        if offset_file:
+            self.now()  # a file that is not an offset fails the start, naming it
+
+    def _read(self) -> timedelta:
+        try:
+            text = Path(self.offset_file).read_text().strip()
+        except FileNotFoundError:
+            text = ""
+        try:
+            seconds = float(text or 0)
+        except ValueError:
+            seconds = math.nan
+        if not math.isfinite(seconds):
+            raise ValueError(f"{self.offset_file}: the culler's clock offset must be a number of seconds, such as 0 "
+                             f"or -7200, not {text[:40]!r}")
+        return timedelta(seconds=seconds)
+
+    def now(self) -> datetime:
+        system = periods.utcnow()
+        if not self.offset_file:
+            return system
+        try:
+            offset = self._read()
+        except (OSError, ValueError) as error:
+            if not self._offsets:
+                raise
+            offset = self._offsets[-1][1]
+            log.error("%s: the culler's clock keeps its offset of %s s", error, offset.total_seconds())
+        if self._offsets and offset < self._offsets[-1][1]:
+            log.error("%s: the culler's clock never goes back: it keeps its offset of %s s, not %s s",
+                      self.offset_file, self._offsets[-1][1].total_seconds(), offset.total_seconds())
+            offset = self._offsets[-1][1]
+        if not self._offsets or offset != self._offsets[-1][1]:
+            self._offsets.append((system, offset))
+        return system + offset
+
+    def from_system(self, moment: datetime) -> datetime:
+        """`moment`, a time of the system clock (another process's), in the culler's time."""
+        offset = self._offsets[0][1] if self._offsets else timedelta(0)
+        for since, value in self._offsets:
+            if since > moment:
+                break
+            offset = value
+        return moment + offset
 
 
 class IdleCuller(Application):
@@ -150,6 +217,15 @@ class IdleCuller(Application):
 
     namespace = Unicode("", help="The Kubernetes namespace of the user pods (`hami` and `dcgm`).").tag(config=True)
 
+    clock_offset_file = Unicode("", help="""A file holding a number of seconds added to the culler's clock (negative:
+        behind), read at every look; empty, the default: the system clock, as in production. For tests of the idle
+        rules as written, in minutes and hours, without waiting them out: the test starts the culler behind the
+        system clock and moves it forward (the offset may only grow). Only whoever configures the hub's services
+        sets it, to a file only the hub's account may write; the culler's page and API neither show nor change it.
+
+        c.IdleCuller.clock_offset_file = "/tmp/gpupool-test/culler-clock"
+        """).tag(config=True)
+
     cpu = Bool(True, help="Count the CPU use of the server's processes (embedded mode: they run on this machine).").tag(
         config=True)
 
@@ -173,6 +249,7 @@ class IdleCuller(Application):
 
     def initialize(self, argv=None):
         super().initialize(argv)
+        self.clock = Clock(self.clock_offset_file)
         self.ledger = Ledger(self.ledger_url)
         self.store = IdleStore(self.ledger.engine)
         self.metrics = Metrics()
@@ -310,7 +387,7 @@ class IdleCuller(Application):
         to its team's idle GPU-hours."""
         loop = asyncio.get_running_loop()
         running = await loop.run_in_executor(self.threads, self.jobs.running)
-        policy, now, looked = self.policy, periods.utcnow(), {}
+        policy, now, looked = self.policy, self.clock.now(), {}
         cards = self.gpu.all_cards() if self.gpu is not None else []
         for job, run in running:
             chosen = policy.profiles.get(job.profile)
@@ -341,11 +418,11 @@ class IdleCuller(Application):
         policy = self.policy
         rule = policy.idle_rule(team, profile)
         signals = await asyncio.get_running_loop().run_in_executor(self.threads, self.signals, run, user, name, server)
-        now = periods.utcnow()
+        now = self.clock.now()
         known = await asyncio.to_thread(self.store.get, run)
         # A server first seen has its whole `after_minutes` from now (it may have started a while ago, before
         # this culler ran): idle since it was first seen, never since before.
-        record = known.record if known is not None else IdleRecord(started=_started(server), last_active=now)
+        record = known.record if known is not None else IdleRecord(started=_started(server, self.clock), last_active=now)
         label = f"{user['name']}'s server {name!r}" if name else f"{user['name']}'s server"
         decision = decide(rule, signals, record, now, label)
         seen = {"action": str(decision.action), "cause": decision.cause,
@@ -374,7 +451,7 @@ class IdleCuller(Application):
                    kept: timedelta) -> None:
         # Asked for in the ledger first, so that the interval the stop closes ends `culled`; and only if its user
         # did not keep it since this look read its record (then the next look decides again).
-        if not await asyncio.to_thread(self.store.request_cull, run, periods.utcnow(), decision.message, kept):
+        if not await asyncio.to_thread(self.store.request_cull, run, self.clock.now(), decision.message, kept):
             self.log.info("%s/%s was kept while the culler looked at it: not stopped", user, name)
             return
         path = f"/users/{urllib.parse.quote(user)}/servers/{urllib.parse.quote(name)}" if name else \
@@ -435,7 +512,7 @@ class CullerHandler(AccountingHandler):
             raise web.HTTPError(400, "hours must be more than 0 and at most 168")
         rule = self.policy.idle_rule(server.team, server.profile)
         try:
-            record = keep(rule, server.record, periods.utcnow(), timedelta(hours=hours))
+            record = keep(rule, server.record, self.culler.clock.now(), timedelta(hours=hours))
         except KeepRefused as refused:
             raise web.HTTPError(409, str(refused)) from None
         self.culler.store.keep(server.run, record)
@@ -537,6 +614,7 @@ class ActivityHandler(CullerHandler):
         if last is not None:
             try:
                 when = periods.ensure_utc(datetime.fromisoformat(str(last).replace("Z", "+00:00")))
+                when = self.culler.clock.from_system(when)
             except ValueError:
                 raise web.HTTPError(400, "last_activity must be an ISO-8601 time with its zone, or null") from None
         user = self.current_user

@@ -6,6 +6,9 @@ as the hub starts it, with its README scopes, and reads GPU use through a TEST D
   request waiting in the queue starts;
 - a server whose processes keep the (double's) GPU busy, with no HTTP activity at all, is not stopped;
 - "keep it" postpones the stop within the policy's `keep_max_hours`, then is refused with the reason.
+
+The policy's times are minutes, as an admin writes them; the culler's clock (`tests/culler_clock.py`) lets them pass
+a step at a time, each step seen by a look of the culler, instead of the test waiting them out.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import json
 import re
 import shutil
 import threading
+from datetime import datetime, timedelta
 from fractions import Fraction
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -21,7 +25,9 @@ from pathlib import Path
 import pytest
 import requests
 
+from culler_clock import CullerClock, seen_by_culler, step_until
 from gpupool.hub.accounting import periods
+from gpupool.hub.accounting.culls import IdleStore
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
 from gpupool.hub.accounting.service import idle_report
 from gpupool.hub.harness import Browser, Hub, wait_for
@@ -37,16 +43,16 @@ def policy(webhook: str) -> dict[str, str]:
         "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [whole]}\n"
                      f"inventory:\n  - {{model: H200, count: 2, uuids: {json.dumps(CARDS)}}}\n",
         "teams.yaml": "teams:\n  vision: {quota: {gpus: 4, per_user_gpus: 1}}\n",
-        # bob's profile has a rule of its own (before the pool's): warned after 6 s idle, stopped 114 s later, time
-        # enough for a person (and a browser on a busy machine) to see the warning and keep the server.
+        # bob's profile has a rule of its own (before the pool's): stopped after 30 min idle, warned 10 min before,
+        # kept half an hour at most.
         "profiles.yaml": "profiles:\n  h200: {display_name: 1 × H200, gpu: {model: H200, count: 1}, teams: [vision]}\n"
                          "  h200-patient: {display_name: 1 × H200 (patient), gpu: {model: H200, count: 1}, "
-                         "teams: [vision], idle: {after_minutes: 2, warn_minutes: 1.9, cpu_below_percent: 20, "
-                         "keep_max_hours: 0.01}}\n",
-        # Minutes made seconds so that a test sees it: idle 30 s → stopped, warned 24 s before, kept 36 s at most.
-        # CPU under 20% of a core is idle: a JupyterLab server reporting its kernels every second costs a little.
+                         "teams: [vision], idle: {after_minutes: 30, warn_minutes: 10, cpu_below_percent: 20, "
+                         "keep_max_hours: 0.5}}\n",
+        # Stopped after 20 min idle, warned 10 min before. CPU under 20% of a core is idle: a JupyterLab server
+        # reporting its kernels every second costs a little.
         "settings.yaml": f"settings:\n  alert_webhook: {webhook}\n"
-                         "  idle: {after_minutes: 0.5, warn_minutes: 0.4, cpu_below_percent: 20, keep_max_hours: 0.01}\n",
+                         "  idle: {after_minutes: 20, warn_minutes: 10, cpu_below_percent: 20, keep_max_hours: 1}\n",
     }
 
 
@@ -80,12 +86,18 @@ def samples(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory, webhook, samples):
+def clock(tmp_path_factory) -> CullerClock:
+    """The culler's clock: two hours behind the system's, which is more than the test lets pass."""
+    return CullerClock(tmp_path_factory.mktemp("clock") / "culler-clock", behind=timedelta(hours=2))
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory, webhook, samples, clock):
     extra = f"""
 c.LocalGPUSpawner.run_as = "self"
 for service in c.JupyterHub.services:
-    if service["name"] == "culler":  # a pass a second, and the NVML double first on its path
-        service["command"] = service["command"] + ["--interval=1"]
+    if service["name"] == "culler":  # a pass a second, its clock the test's, and the NVML double first on its path
+        service["command"] = service["command"] + ["--interval=1"] + {clock.culler_args!r}
         service["environment"] = {{**service["environment"], "PYTHONPATH": {str(DOUBLE)!r},
                                    "GPUPOOL_NVML_DOUBLE": {str(samples)!r}}}
 # Servers report their kernels every second (every minute by default).
@@ -119,19 +131,17 @@ def culler(hub: Hub, token: str, method: str = "GET", path: str = "api/servers",
                             timeout=60, **kw)
 
 
-def seen_by_culler(hub: Hub, token: str) -> dict:
-    reply = culler(hub, token)
-    assert reply.status_code == 200, reply.text
-    servers = reply.json()["servers"]
-    return servers[0] if servers else {}
-
-
 def server_state(hub: Hub, name: str) -> dict:
     user = hub.api("GET", f"/users/{name}").json()
     return ((user.get("servers") or {}).get("") or {}).get("state") or {}
 
 
-def test_idle_servers_are_warned_then_culled_busy_ones_kept_and_keep_it_is_bounded(hub, people, webhook, samples):
+def warned(row: dict) -> bool:
+    return row.get("state") in ("warn", "warned")
+
+
+def test_idle_servers_are_warned_then_culled_busy_ones_kept_and_keep_it_is_bounded(hub, people, webhook, samples,
+                                                                                  clock):
     sessions, tokens = people
     url, received = webhook
     spawn(hub, tokens["alice"], "alice")
@@ -145,22 +155,19 @@ def test_idle_servers_are_warned_then_culled_busy_ones_kept_and_keep_it_is_bound
     # alice's work ends; carol's goes on.
     samples.write_text(json.dumps({"cards": CARDS, "utilization": {str(pids["carol"]): 60}}))
 
-    # alice: warned on her home page, by the API and through the webhook ...
-    def warned_now(token):
-        seen = seen_by_culler(hub, token)
-        return seen if seen.get("state") in ("warn", "warned") else None
-
-    warned = wait_for(lambda: warned_now(tokens["alice"]), message="alice's server was never warned")
-    assert "will be stopped at" in warned["message"] and warned["signals"]["gpu_percent"] == 0
+    # alice: after 10 of the culler's minutes idle, warned on her home page, by the API and through the webhook ...
+    warned_at = step_until(hub, "alice", tokens["alice"], clock, warned, minutes=5, most=60)
+    assert "will be stopped at" in warned_at["message"] and warned_at["signals"]["gpu_percent"] == 0
+    assert hub.server("alice") is not None  # warned, not stopped: the stop comes 10 minutes later
     # Her server reported its kernels (none busy) with its own token; the culler made no token of its own for it.
-    assert warned["signals"]["busy_kernels"] == 0, warned
+    assert warned_at["signals"]["busy_kernels"] == 0, warned_at
     assert not [t for t in hub.api("GET", "/users/alice/tokens").json()["api_tokens"] if "culler" in t["note"]]
     home = sessions["alice"].get(f"{hub.url}/hub/home", timeout=60).text
     assert 'id="gpupool-idle-warning"' in home and "will be stopped at" in home
     assert "gpupool-idle-warning" not in sessions["carol"].get(f"{hub.url}/hub/home", timeout=60).text
 
     # ... then stopped: her interval ends `culled`, and bob's waiting request gets the card at once.
-    wait_for(lambda: hub.server("alice") is None, message="alice's server was never culled")
+    step_until(hub, "alice", tokens["alice"], clock, lambda row: not row, minutes=5, most=30)
     hub.wait_ready("bob", timeout=240)
     ledger = Ledger(hub.ledger_url)
     ended = {i.user: i.how for i in ledger.intervals_overlapping(*_today()) if i.end is not None}
@@ -175,9 +182,9 @@ def test_idle_servers_are_warned_then_culled_busy_ones_kept_and_keep_it_is_bound
     assert hub.server("carol") is not None and not any(user == "carol" for _, user in kinds)
     assert re.search(r'class="gpupool-idle">in use<', sessions["carol"].get(f"{hub.url}/hub/home", timeout=60).text)
 
-    # bob: warned in turn, on his home page, where he follows "Keep it" to the culler's page and keeps it (his
-    # profile allows 0.01 h, 36 s, in all), in headless Chromium.
-    wait_for(lambda: warned_now(tokens["bob"]), message="bob's server was never warned")
+    # bob: warned in turn (after 20 of his profile's 30 minutes), on his home page, where he follows "Keep it" to
+    # the culler's page and keeps it (his profile allows half an hour in all), in headless Chromium.
+    step_until(hub, "bob", tokens["bob"], clock, warned, minutes=5, most=60)
     chromium, driver = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
     assert chromium and driver, "headless Chromium is not installed (apt-get install chromium chromium-driver)"
     browser = Browser(chromium, driver)
@@ -193,28 +200,33 @@ def test_idle_servers_are_warned_then_culled_busy_ones_kept_and_keep_it_is_bound
         row = browser.css('#idle-servers tr[data-server=""]')[0]
         assert row.get_attribute("data-state") in ("warn", "warned")
         browser.screenshot_whole_page(SCREENSHOTS / "culler-page.png")
-        browser.click('#idle-servers button[type="submit"]')
-        browser.wait(lambda d: "0.01 of 0.01 h" in browser.text(), 60, "the page never showed the keep")
+        browser.click('#idle-servers button[type="submit"]')  # the hour it offers first: half an hour is left
+        browser.wait(lambda d: "0.5 of 0.5 h" in browser.text(), 60, "the page never showed the keep")
         assert not browser.failed_requests(), browser.failed_requests()
         assert not browser.console_errors(), browser.console_errors()
     finally:
         browser.quit()
     kept = seen_by_culler(hub, tokens["bob"])
     keep_until = kept["keep_until"]
-    assert keep_until and kept["kept_hours"] == 0.01, kept
+    assert keep_until and kept["kept_hours"] == 0.5, kept
     refused = culler(hub, tokens["bob"], "POST", "api/servers/bob/keep", json={"hours": 1})
-    assert refused.status_code == 409 and "keep_max_hours: 0.01" in refused.json()["message"], refused.text
+    assert refused.status_code == 409 and "keep_max_hours: 0.5" in refused.json()["message"], refused.text
     # Bad input and other people's servers change nothing.
     assert culler(hub, tokens["bob"], "POST", "api/servers/bob/keep", json={"hours": "soon"}).status_code == 400
     assert culler(hub, tokens["bob"], "POST", "api/servers/bob/keep", json={"days": 1}).status_code == 400
     assert culler(hub, tokens["bob"], "POST", "api/servers/carol/keep", json={"hours": 1}).status_code == 404
     assert seen_by_culler(hub, tokens["bob"])["keep_until"] == keep_until
 
-    # Kept: culled only after the time kept, and warned again before.
-    wait_for(lambda: hub.server("bob") is None, timeout=240, message="bob's server was never culled after the keep")
+    # Kept: warned again 10 minutes before the keep ends, still running; culled only after the time kept.
+    run = server_state(hub, "bob")["usage_run"]
+    again = step_until(hub, "bob", tokens["bob"], clock, warned, minutes=5, most=60)
+    assert datetime.fromisoformat(again["seen_at"]) < datetime.fromisoformat(keep_until), (again, keep_until)
+    assert datetime.fromisoformat(again["cull_at"]) >= datetime.fromisoformat(keep_until), (again, keep_until)
+    assert hub.server("bob") is not None
+    step_until(hub, "bob", tokens["bob"], clock, lambda row: not row, minutes=5, most=30)
     bob = [i for i in ledger.intervals_overlapping(*_today()) if i.user == "bob"]
     assert [i.how for i in bob] == [HowEnded.CULLED]
-    assert bob[0].end.isoformat() >= keep_until[:19]
+    assert IdleStore(ledger.engine).get(run).cull_requested_at >= datetime.fromisoformat(keep_until)
     assert sum(1 for body in received if body == {**body, "kind": "idle-warning", "user": "bob"}) >= 2
 
     # The team's page and the reports: idle GPU-hours held, two servers culled, GPU-hours given back.

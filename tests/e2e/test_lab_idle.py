@@ -3,20 +3,22 @@ H200 declared, no GPU): the culler as the hub starts it (a pass a second), alice
 with the labextension gpupool-idle and the server extension gpupool.hub.lab_idle that `make install` put into the
 servers' environment. The screenshot goes into the docs (docs/screenshots/lab-idle-warning.png).
 
-The policy's times are seconds, not minutes, but longer than test_culler.py's: JupyterLab asks at its start and
-then every minute, so the warning stands through two of its checks (warned after 6 s idle, stopped after 3 min
-idle; loading JupyterLab is CPU work of the server that may start the idle time again).
+The policy's times are minutes, as an admin writes them; the culler's clock (`tests/culler_clock.py`) lets them pass
+a step at a time, each step seen by a look of the culler, instead of the test waiting them out. What the test still
+waits for is JupyterLab's own check of the warning, at its start and then once a minute.
 """
 
 from __future__ import annotations
 
 import shutil
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import requests
 
-from gpupool.hub.harness import Browser, Hub, wait_for
+from culler_clock import CullerClock, seen_by_culler, step_until
+from gpupool.hub.harness import Browser, Hub
 from gpupool.hub.lab_idle import culler_url, this_server, warned
 
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
@@ -25,11 +27,10 @@ POLICY = {
                  "inventory:\n  - {model: H200, count: 1}\n",
     "teams.yaml": "teams:\n  vision: {quota: {gpus: 1, per_user_gpus: 1}}\n",
     "profiles.yaml": "profiles:\n  h200: {display_name: 1 × H200, gpu: {model: H200, count: 1}, teams: [vision]}\n",
-    # Warned after 6 s idle, stopped 474 s later: JupyterLab checks every minute, and the test sees two checks
-    # and keeps it well before, on a busy machine too. "Keep it 1 h" is granted whole once; a second keep is
-    # refused with the policy's reason.
+    # Warned after 20 min idle, stopped 10 min later. "Keep it 1 h" is granted whole once; a second keep is refused
+    # with the policy's reason.
     "settings.yaml": "settings:\n"
-                     "  idle: {after_minutes: 8, warn_minutes: 7.9, cpu_below_percent: 50, keep_max_hours: 1}\n",
+                     "  idle: {after_minutes: 30, warn_minutes: 10, cpu_below_percent: 50, keep_max_hours: 1}\n",
 }
 
 
@@ -53,12 +54,18 @@ def test_a_warning_stands_until_the_stop_it_announces_is_postponed():
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    extra = """
+def clock(tmp_path_factory) -> CullerClock:
+    """The culler's clock: two hours behind the system's, which is more than the test lets pass."""
+    return CullerClock(tmp_path_factory.mktemp("clock") / "culler-clock", behind=timedelta(hours=2))
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory, clock):
+    extra = f"""
 c.LocalGPUSpawner.run_as = "self"
 for service in c.JupyterHub.services:
-    if service["name"] == "culler":  # a pass a second
-        service["command"] = service["command"] + ["--interval=1"]
+    if service["name"] == "culler":  # a pass a second, its clock the test's
+        service["command"] = service["command"] + ["--interval=1"] + {clock.culler_args!r}
 """
     hub = Hub(tmp_path_factory.mktemp("lab-idle"), POLICY, extra, mlflow=False)
     hub.start()
@@ -66,14 +73,6 @@ for service in c.JupyterHub.services:
         yield hub
     finally:
         hub.stop()
-
-
-def seen_by_culler(hub: Hub, token: str) -> dict:
-    reply = requests.get(f"{hub.url}/services/culler/api/servers", headers={"Authorization": f"token {token}"},
-                         timeout=60)
-    assert reply.status_code == 200, reply.text
-    servers = reply.json()["servers"]
-    return servers[0] if servers else {}
 
 
 def warnings(browser: Browser) -> list[str]:
@@ -86,7 +85,11 @@ def warnings(browser: Browser) -> list[str]:
         return warnings(browser)
 
 
-def test_jupyterlab_warns_before_the_stop_and_keeps_the_server(hub):
+def warned_by_culler(row: dict) -> bool:
+    return row.get("state") in ("warn", "warned")
+
+
+def test_jupyterlab_warns_before_the_stop_and_keeps_the_server(hub, clock):
     chromium, driver = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
     if not chromium or not driver:
         pytest.skip("headless Chromium is not installed (apt-get install chromium chromium-driver)")
@@ -97,8 +100,7 @@ def test_jupyterlab_warns_before_the_stop_and_keeps_the_server(hub):
     reply = requests.post(f"{hub.url}/hub/api/users/alice/server", json={"profile": "h200"}, headers=auth, timeout=60)
     assert reply.status_code in (201, 202), reply.text
     hub.wait_ready("alice", timeout=240)
-    wait_for(lambda: seen_by_culler(hub, token).get("state") in ("warn", "warned"), timeout=120,
-             message=f"alice's server was never warned: {seen_by_culler(hub, token)}")
+    step_until(hub, "alice", token, clock, warned_by_culler, minutes=5, most=60)
 
     # The server extension, as JupyterLab asks it (here with alice's token through the hub's proxy): it asks the
     # culler with the server's own token.
@@ -113,7 +115,10 @@ def test_jupyterlab_warns_before_the_stop_and_keeps_the_server(hub):
         browser.log_in_as(hub.url, sessions["alice"])
         browser.start_recording()
         browser.get(f"{hub.url}/user/alice/lab")
-        # At JupyterLab's start, or at its next minute's check if loading it made the server busy meanwhile.
+        browser.wait_page_loaded()
+        # Loading JupyterLab is CPU work of the server, which may have ended the warning: idle again until warned,
+        # the warning shows at JupyterLab's start or at its next minute's check.
+        step_until(hub, "alice", token, clock, warned_by_culler, minutes=5, most=60)
         browser.wait_for_text("will be stopped at", timeout=200)
         # JupyterLab draws a notification's words before its buttons: read it once the buttons are there too.
         browser.wait(lambda d: any("Keep it 1 h" in w for w in warnings(browser)), 60,
@@ -121,11 +126,11 @@ def test_jupyterlab_warns_before_the_stop_and_keeps_the_server(hub):
         first = warnings(browser)
         assert len(first) == 1, first
         assert "Keep it 1 h" in first[0] and "UTC to give its GPU back to the pool" in first[0], first
-        # The culler's words change as the idle time grows ("idle for 1 min" a minute later; later still if the
-        # server was busy while JupyterLab loaded, which starts the idle time again). JupyterLab's next check (one
-        # a minute) then updates the notification with them: updated, not shown twice.
-        wait_for(lambda: not first[0].startswith(seen_by_culler(hub, token).get("message") or first[0]),
-                 timeout=300, message=f"the culler's words never changed: {seen_by_culler(hub, token)}")
+        # The culler's words change as the idle time grows (two more minutes of its clock; more if the server was
+        # busy meanwhile, which starts the idle time again). JupyterLab's next check (one a minute) then updates the
+        # notification with them: updated, not shown twice.
+        step_until(hub, "alice", token, clock,
+                   lambda row: warned_by_culler(row) and not first[0].startswith(row["message"]), minutes=2, most=60)
         # One warning in the end, with the new words: updated in place, or (when the server's stop time moved)
         # replaced, the old one leaving as the new one comes; never two that stay.
         browser.wait(lambda d: len(now := warnings(browser)) == 1 and now != first, 100,
