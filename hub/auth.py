@@ -84,13 +84,24 @@ class SignUpHandler(native_handlers.SignUpHandler):
                                           confirmation_matches, user_is_admin)
 
 
+#: Why approving and discarding answer only POST (NativeAuthenticator's own handlers change state on a GET).
+CHANGES_ARE_POSTS = ("approving, withdrawing and discarding sign-ups change who may log in: use the buttons on "
+                     "/hub/authorize (a form POST with the page's _xsrf token); a link or a GET changes nothing")
+
+
 class ToggleAuthorizationHandler(native_handlers.ToggleAuthorizationHandler):
-    """Approving a sign-up (`/hub/authorize/NAME`) makes the hub user at once: NativeAuthenticator alone makes it
-    at the first login, so until then `gpupool team add-member` and the admin page's groups knew nobody of
-    that name. Withdrawing an approval keeps the hub user (and their teams); the login refuses them."""
+    """Approving a sign-up (`POST /hub/authorize/NAME`) makes the hub user at once: NativeAuthenticator alone makes
+    it at the first login, so until then `gpupool team add-member` and the admin page's groups knew nobody of
+    that name. Withdrawing an approval keeps the hub user (and their teams); the login refuses them.
+    NativeAuthenticator toggles on a GET, which another site can make a logged-in admin's browser send (an image,
+    a link): here a GET changes nothing, and the POST is checked against JupyterHub's _xsrf token."""
 
     @needs_scope("admin:users")
     async def get(self, slug):
+        raise web.HTTPError(405, "%s", CHANGES_ARE_POSTS)
+
+    @needs_scope("admin:users")
+    async def post(self, slug):
         info = UserInfo.find(self.db, slug)
         if info is None:
             raise web.HTTPError(404, "%s", f"no sign-up of {slug!r}: the sign-ups are listed at /hub/authorize")
@@ -98,6 +109,19 @@ class ToggleAuthorizationHandler(native_handlers.ToggleAuthorizationHandler):
         if info.is_authorized:
             self.user_from_username(info.username)
         self.redirect(self.hub.base_url + "authorize#" + slug)
+
+
+class DiscardHandler(native_handlers.DiscardHandler):
+    """Discarding a sign-up that was never approved (`POST /hub/discard/NAME`), as NativeAuthenticator does on a
+    GET: a GET changes nothing here (see `ToggleAuthorizationHandler`)."""
+
+    @needs_scope("admin:users")
+    async def get(self, user_name):
+        raise web.HTTPError(405, "%s", CHANGES_ARE_POSTS)
+
+    @needs_scope("admin:users")
+    async def post(self, user_name):
+        await super().get(user_name)
 
 
 def _refuse_new_names(handler, names) -> None:
@@ -212,7 +236,8 @@ class GPUPoolNativeAuthenticator(NativeAuthenticator):
 
     def get_handlers(self, app):
         replaced = {LoginHandler: native_handlers.LoginHandler, SignUpHandler: native_handlers.SignUpHandler,
-                    ToggleAuthorizationHandler: native_handlers.ToggleAuthorizationHandler}
+                    ToggleAuthorizationHandler: native_handlers.ToggleAuthorizationHandler,
+                    DiscardHandler: native_handlers.DiscardHandler}
         ours = [(route, next((mine for mine, theirs in replaced.items() if handler is theirs), handler))
                 for route, handler in super().get_handlers(app)]
         api = [(route, IDENTITY_API_HANDLERS[handler])

@@ -6,6 +6,7 @@ Used by the end-to-end tests and `bench/spawn.py`; it talks to the real hub and 
 from __future__ import annotations
 
 import contextlib
+import html
 import json
 import os
 import random
@@ -266,8 +267,16 @@ class Hub:
             assert reply.status_code == 200 and "has been sent to the admin" in reply.text, reply.text[-2000:]
         admin = self.log_in("admin", self.admin_password())
         for name in names:
-            assert admin.get(f"{self.url}/hub/authorize/{name}", timeout=60).status_code == 200
+            assert self.approve(admin, name).status_code == 200
         return {name: self.log_in(name, password) for name in names}
+
+    def approve(self, admin: requests.Session, name: str) -> requests.Response:
+        """The admin presses Authorize (or Unauthorize) for `name` on /hub/authorize: a form POST with the page's
+        _xsrf token, as the browser sends it. The answer is the sign-up page the hub redirects to."""
+        page = admin.get(f"{self.url}/hub/authorize", timeout=60)
+        token = re.search(r'name="_xsrf" value="([^"]*)"', page.text)
+        assert token, f"no sign-up form on /hub/authorize: {page.status_code} {page.text[-2000:]}"
+        return admin.post(f"{self.url}/hub/authorize/{name}", data={"_xsrf": html.unescape(token.group(1))}, timeout=60)
 
     def user_token(self, name: str) -> str:
         """A new API token of user `name`, with the user's own permissions (made with the harness's `tokens`)."""

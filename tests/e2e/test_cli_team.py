@@ -129,7 +129,15 @@ def test_an_approved_sign_up_joins_a_team_and_leads_it_before_logging_in(hub, el
     assert "approves them at /hub/authorize" in pending.stderr, "the refusal names the way out"
 
     admin = hub.log_in("admin", hub.admin_password())
-    approved = admin.get(f"{hub.url}/hub/authorize/erin", timeout=60)
+    # approving changes who may log in: a GET (a link, an image another site shows the admin) changes nothing,
+    # and a POST without the page's _xsrf token is refused
+    link = admin.get(f"{hub.url}/hub/authorize/erin", timeout=60)
+    assert link.status_code == 405 and "use the buttons on /hub/authorize" in link.text, link.text[-2000:]
+    forged = admin.post(f"{hub.url}/hub/authorize/erin", timeout=60)
+    assert forged.status_code == 403, forged.text[-2000:]
+    assert admin.get(f"{hub.url}/hub/discard/erin", timeout=60).status_code == 405
+    assert gpupool("team", "add-member", "vision", "erin").returncode == 1, "still not approved"
+    approved = hub.approve(admin, "erin")
     assert approved.status_code == 200 and "erin" in approved.text
     added = gpupool("team", "add-member", "vision", "erin")
     assert added.returncode == 0 and "erin is now a member of team vision" in added.stdout, added.stderr

@@ -72,7 +72,7 @@ def sign_up_and_approve(hub: Hub, name: str, password: str) -> None:
     assert page.post(f"{hub.url}/hub/signup", data=form, timeout=30).status_code == 200
     (admin_password,) = re.findall(r"with the password (\S+)", hub.log.read_text())
     admin = browser_login(hub, "admin", admin_password)
-    assert admin.get(f"{hub.url}/hub/authorize/{name}", timeout=30).status_code == 200
+    assert hub.approve(admin, name).status_code == 200
 
 
 def test_queued_requests_come_back_in_order_after_a_hub_crash(hub):
