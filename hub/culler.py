@@ -422,7 +422,8 @@ class IdleCuller(Application):
         known = await asyncio.to_thread(self.store.get, run)
         # A server first seen has its whole `after_minutes` from now (it may have started a while ago, before
         # this culler ran): idle since it was first seen, never since before.
-        record = known.record if known is not None else IdleRecord(started=_started(server, self.clock), last_active=now)
+        record = (known.record if known is not None
+                  else IdleRecord(started=_started(server, self.clock), last_active=now))
         label = f"{user['name']}'s server {name!r}" if name else f"{user['name']}'s server"
         decision = decide(rule, signals, record, now, label)
         seen = {"action": str(decision.action), "cause": decision.cause,
