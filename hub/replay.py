@@ -178,7 +178,6 @@ class Cluster:
                 self.nodes[model] = [model_cards[i:i + size] for i in range(0, len(model_cards), size)]
         self.node_of = {c.uuid: (c.model, n) for m, nodes in self.nodes.items() for n, node in enumerate(nodes)
                         for c in node}
-        self.used: dict[str, Fraction] = {}
         self.free_cards = {m: [len(node) for node in nodes] for m, nodes in self.nodes.items()}
         self.sizes = {m: max(len(node) for node in nodes) for m, nodes in self.nodes.items()}
         # One placement per model for the cluster's life (a replay's policies do not change under it).
@@ -195,6 +194,18 @@ class Cluster:
         self.scores: dict[tuple, tuple | None] = {}
         self.heaps: dict[tuple, list[tuple]] = {}  # (model, share) → (score, node, version of the node)
         self.held: dict[str, Allocation] = {}
+        self._per_card: dict[Fraction, tuple] = {}  # share → (its share of each card, in units; cards it takes)
+
+    @property
+    def used(self) -> dict[str, Fraction]:
+        """What each card holds (cards holding nothing left out), in cards: the pool's store's `used`."""
+        return self._used_of(self.cards)
+
+    def _used_of(self, cards: Iterable[Card]) -> dict[str, Fraction]:
+        unit, free = self.unit, self.card_free
+        if self.scale is None:
+            return {c.uuid: unit - free[c.uuid] for c in cards if free[c.uuid] != unit}
+        return {c.uuid: Fraction(unit - free[c.uuid], unit) for c in cards if free[c.uuid] != unit}
 
     def capacity(self, model: str) -> int:
         return len(self.by_model.get(model, ()))
@@ -248,14 +259,19 @@ class Cluster:
                 elif (score := self._score(model, state, share)) is not None:
                     heapq.heappush(heap, (score, n, version))
 
+    def _taken(self, share: Fraction):
+        """The units `share` takes of each card it goes on (all of a card for a whole card or more)."""
+        taken = self._per_card.get(share)
+        if taken is None:
+            taken = self._per_card[share] = self._units(share if share < 1 else Fraction(1))
+        return taken
+
     def reserve(self, request: Request) -> Allocation | None:
         chosen = self._choose(request.model, request.share)
         if chosen is None:
             return None
-        per_card = request.share if request.share < 1 else Fraction(1)
-        touched, taken = set(), self._units(per_card)
+        touched, taken = set(), self._taken(request.share)
         for uuid in chosen:
-            self.used[uuid] = self.used.get(uuid, Fraction(0)) + per_card
             touched.add(self._card_changed(uuid, taken))
         for node in touched:
             self._node_changed(*node)
@@ -266,14 +282,8 @@ class Cluster:
 
     def release(self, key: str) -> Allocation:
         allocation = self.held.pop(key)
-        per_card = allocation.share if allocation.share < 1 else Fraction(1)
-        touched, taken = set(), self._units(per_card)
+        touched, taken = set(), self._taken(allocation.share)
         for uuid in allocation.cards:
-            after = self.used[uuid] - per_card
-            if after == 0:
-                del self.used[uuid]
-            else:
-                self.used[uuid] = after
             touched.add(self._card_changed(uuid, -taken))
         for node in touched:
             self._node_changed(*node)
@@ -304,10 +314,10 @@ class Cluster:
         if sum(free) < need:
             return None
         chosen: list[str] = []
-        for n in sorted(range(len(nodes)), key=lambda n: (-free[n], n)):
+        for n in sorted(range(len(nodes)), key=free.__getitem__, reverse=True):  # most free first; ties: first node
             take = min(free[n], need - len(chosen))
             if take:
-                chosen.extend(place(nodes[n], self.used, model, Fraction(take), placement) or ())
+                chosen.extend(place(nodes[n], self._used_of(nodes[n]), model, Fraction(take), placement) or ())
             if len(chosen) == need:
                 break
         return tuple(chosen)
@@ -326,12 +336,20 @@ class Meter:
         self.closed: dict[str, float] = {}
         self.rate: dict[str, float] = {}  # shares running now
         self.anchor: dict[str, float] = {}  # sum of share × max(start, period start)
+        self.until = self._until()
+
+    def _until(self) -> float:
+        # Up to a millisecond before the period's end, the clock is surely in it (the virtual clock only advances).
+        return (periods.period_bounds(self.period)[1] - self.start).total_seconds() - 1e-3
 
     def roll(self, now: float) -> None:
+        if self.period_start <= now < self.until:
+            return
         period = period_of(self.start + timedelta(seconds=now))
         if period != self.period:
             begin = datetime.strptime(period, "%Y-%m").replace(tzinfo=timezone.utc)
             self.period, self.period_start = period, (begin - self.start).total_seconds()
+            self.until = self._until()
             self.closed = {}
             self.anchor = {team: rate * self.period_start for team, rate in self.rate.items()}
 
@@ -356,34 +374,53 @@ class Admission:
     """The pool's `Decide` on the virtual clock: `admission.decide` with the replay's own usage meter.
 
     A long queue asks the same question many times between two changes of holdings; the answer is kept until
-    holdings or the clock change (the decision is a pure function of them).
+    holdings or the clock change (the decision is a pure function of them). And as `Ledger.admit` decides
+    against the team's own holdings (read under the team's lock), a request for a model and share is decided
+    by the holdings of its team only (the team's, its share of the model, the member's): that answer is kept
+    for as long as the usage stays the same (while the clock changes, when the teams have budgets; else until
+    the period changes), and asked again of the same team in the same state it is not decided anew. `memo`:
+    False decides every question (`tests/unit/hub/test_replay.py` checks that the results are the same).
     """
 
-    def __init__(self, policy: Policy, meter: Meter):
-        self.policy, self.meter = policy, meter
+    def __init__(self, policy: Policy, meter: Meter, *, memo: bool = True):
+        self.policy, self.meter, self.memo = policy, meter, memo
         self.budgets = any(t.budget.gpu_hours is not None or t.budget.per_model for t in policy.teams.values())
         self.now = 0.0
+        self._at = meter.start
         self._usage: Usage | None = None
         self._cache: dict[tuple, Verdict] = {}
         self._holdings: Holdings | None = None
+        self._known: dict[tuple, Verdict] = {}  # by the question and its team's holdings (`memo`)
         self.last: dict[str, Verdict] = {}  # the verdict each request was last given
 
     def at(self, now: float) -> None:
         if now != self.now or self._usage is None:
             self.now = now
+            self._at = self.meter.start + timedelta(seconds=now)
+            period = self.meter.period
             self.meter.roll(now)
             self._usage = self.meter.usage(now) if self.budgets else Usage(self.meter.period)
             self._cache = {}
+            if self.budgets or self.meter.period != period:
+                self._known = {}
 
     def __call__(self, request: Request, holdings: Holdings) -> Verdict:
         if holdings is not self._holdings:
             self._holdings, self._cache = holdings, {}
         asked = (request.team, request.user, request.profile, request.model, request.share)
         verdict = self._cache.get(asked)
+        if verdict is not None:
+            self.last[request.key] = verdict
+            return verdict
+        direct = request.profile == DIRECT_PROFILE
+        if direct and self.memo:
+            team = request.team
+            known = asked + (holdings.team.get(team), holdings.team_model.get((team, request.model)),
+                             holdings.team_user.get((team, request.user)))
+            verdict = self._known.get(known)
         if verdict is None:
-            direct = request.profile == DIRECT_PROFILE
             question = AdmissionRequest(
-                user=request.user, team=request.team, at=self.meter.start + timedelta(seconds=self.now),
+                user=request.user, team=request.team, at=self._at,
                 profile=None if direct else request.profile,
                 model=request.model if direct else None, share=request.share if direct else None,
             )
@@ -391,7 +428,9 @@ class Admission:
             # As the embedded spawner's `admission()` turns a Decision into the pool's Verdict.
             verdict = Verdict(decision.action, "" if decision.admitted else decision.reason, decision.priority,
                               code=decision.code)
-            self._cache[asked] = verdict
+            if direct and self.memo:
+                self._known[known] = verdict
+        self._cache[asked] = verdict
         self.last[request.key] = verdict
         return verdict
 

@@ -233,6 +233,10 @@ class Resolved:
 
 
 def _trimmed(value: Fraction | Decimal, places: int) -> str:
+    if type(value) is Fraction and value.denominator == 1:
+        value = value.numerator
+    if type(value) is int and -10**18 < value < 10**18:
+        return str(value)  # a whole number: what the rounding below gives, without it (decide's hot path)
     scaled = Fraction(value) * 10**places
     rounded = math.floor(scaled + Fraction(1, 2))  # half up; values here are never negative
     text = str(Decimal(rounded).scaleb(-places))
@@ -302,7 +306,7 @@ def resolve(policy: Policy, request: AdmissionRequest) -> Resolved:
         raise ValueError(f"unknown GPU model {request.model!r} (known: {', '.join(policy.models) or 'none'})")
     if not isinstance(request.share, Fraction | int) or isinstance(request.share, bool) or request.share <= 0:
         raise ValueError(f"share must be a Fraction above 0 (e.g. Fraction(1, 4)), not {request.share!r}")
-    share = Fraction(request.share)
+    share = request.share if type(request.share) is Fraction else Fraction(request.share)
     return Resolved(request.team, request.user, DIRECT_PROFILE, f"{format_share(share)} × {request.model}",
                     request.model, share, team.priority, request.preemptible)
 
@@ -329,13 +333,15 @@ def _budget_problems(team: Team, name: str, resolved: Resolved, usage: Usage,
                      reserve: timedelta) -> list[str]:
     """Why the budget does not allow `resolved` now (empty when it does)."""
     assert resolved.model is not None
-    reserved = resolved.share * Fraction(reserve // timedelta(seconds=1), SECONDS_PER_HOUR)
     checks: list[tuple[str, Decimal, Fraction]] = []
     if team.budget.gpu_hours is not None:
         checks.append(("budget", team.budget.gpu_hours, usage.team.get(name, Fraction(0))))
     if resolved.model in team.budget.per_model:
         checks.append((f"{resolved.model} budget", team.budget.per_model[resolved.model],
                        usage.team_model.get((name, resolved.model), Fraction(0))))
+    if not checks:
+        return []
+    reserved = resolved.share * Fraction(reserve // timedelta(seconds=1), SECONDS_PER_HOUR)
     problems = []
     for what, limit, used in checks:
         limit_f = Fraction(limit)
@@ -366,20 +372,20 @@ def decide(policy: Policy, request: AdmissionRequest, holdings: Holdings, usage:
         return decision(Reason.NO_GPU, f"{resolved.label} holds no GPU")
     model, share, label = resolved.model, resolved.share, resolved.label
 
-    # Larger than the quota itself: waiting would never end.
+    # Larger than the quota itself: waiting would never end. (The texts are written only for the limit exceeded.)
     limits = [
-        (team.quota.gpus, f'team "{name}" may hold at most {format_share(team.quota.gpus or 0)} '
-                          f"{_gpus(team.quota.gpus or 0)} at once (quota)"),
-        (team.quota.per_user_gpus, f'a member of team "{name}" may hold at most '
-                                   f"{format_share(team.quota.per_user_gpus or 0)} "
-                                   f"{_gpus(team.quota.per_user_gpus or 0)} at once (quota)"),
-        (team.quota.per_model.get(model), f'team "{name}" may hold at most '
-                                          f"{format_share(team.quota.per_model.get(model) or 0)} {model} "
-                                          "at once (quota per model)"),
+        (team.quota.gpus, lambda: f'team "{name}" may hold at most {format_share(team.quota.gpus or 0)} '
+                                  f"{_gpus(team.quota.gpus or 0)} at once (quota)"),
+        (team.quota.per_user_gpus, lambda: f'a member of team "{name}" may hold at most '
+                                           f"{format_share(team.quota.per_user_gpus or 0)} "
+                                           f"{_gpus(team.quota.per_user_gpus or 0)} at once (quota)"),
+        (team.quota.per_model.get(model), lambda: f'team "{name}" may hold at most '
+                                                  f"{format_share(team.quota.per_model.get(model) or 0)} {model} "
+                                                  "at once (quota per model)"),
     ]
     for limit, text in limits:
         if limit is not None and share > limit:
-            return decision(Reason.QUOTA_NEVER_FITS, f"{label} can never start: {text}")
+            return decision(Reason.QUOTA_NEVER_FITS, f"{label} can never start: {text()}")
 
     priority, preemptible, notes, admitted = resolved.priority, resolved.preemptible, [], Reason.WITHIN_QUOTA
     problems = _budget_problems(team, name, resolved, usage, request.reserve)
