@@ -107,6 +107,7 @@ class Clock:
         self.offset_file = offset_file
         #: (system time at which the culler first read an offset, that offset), oldest first.
         self._offsets: list[tuple[datetime, timedelta]] = []
+        self._refused = ""  # the last refusal logged: said once, not at every look
         if offset_file:
             self.now()  # a file that is not an offset fails the start, naming it
 
@@ -128,17 +129,20 @@ class Clock:
         system = periods.utcnow()
         if not self.offset_file:
             return system
+        refused = ""
         try:
             offset = self._read()
         except (OSError, ValueError) as error:
             if not self._offsets:
                 raise
-            offset = self._offsets[-1][1]
-            log.error("%s: the culler's clock keeps its offset of %s s", error, offset.total_seconds())
+            offset, refused = self._offsets[-1][1], str(error)
         if self._offsets and offset < self._offsets[-1][1]:
-            log.error("%s: the culler's clock never goes back: it keeps its offset of %s s, not %s s",
-                      self.offset_file, self._offsets[-1][1].total_seconds(), offset.total_seconds())
+            refused = (f"{self.offset_file}: the culler's clock never goes back: not {offset.total_seconds()} s "
+                       f"after {self._offsets[-1][1].total_seconds()} s")
             offset = self._offsets[-1][1]
+        if refused and refused != self._refused:
+            log.error("%s; the culler's clock keeps its offset of %s s", refused, offset.total_seconds())
+        self._refused = refused
         if not self._offsets or offset != self._offsets[-1][1]:
             self._offsets.append((system, offset))
         return system + offset
