@@ -3,6 +3,11 @@
 # kube/versions.env: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and KWOK (nodes and pod
 # lifecycles without a kubelet). Output: $GPUPOOL_KUBE_CACHE/<versions>/bin (default ~/.cache/gpupool/kube),
 # never inside the repository. Idempotent: a complete set is left alone.
+# Then Volcano (vc-scheduler, vc-controller-manager) from its release archive in $GPUPOOL_UPSTREAM (default
+# ../shared/upstream beside the repository; its name and sha256 in versions.env), unpacked and built in
+# $GPUPOOL_KUBE_CACHE/volcano-<version>/ (src/: the unpacked tree, whose CRDs, admission policies and chart the
+# tests read; bin/). An archive with another sha256 is refused; a missing one is said (with where it comes
+# from) and skipped: the tests that need Volcano then skip, naming it.
 #
 # `go install pkg@version` refuses modules with replace directives (Kubernetes' staging modules, etcd's
 # sibling modules), so each is built from a small wrapper module that requires the release and replaces every
@@ -19,8 +24,17 @@ complete() {
   for b in "${bins[@]}"; do [[ -x "$dest/bin/$b" ]] || return 1; done
   [[ -f "$dest/kwok-stages/.complete" && -f "$dest/kwok-crds/.complete" ]]
 }
+vdest="$cache/volcano-$VOLCANO_VERSION"
+vbins=(vc-scheduler vc-controller-manager)
+upstream="${GPUPOOL_UPSTREAM:-$(cd "$here/../.." && pwd)/shared/upstream}"
+varchive="$upstream/$VOLCANO_ARCHIVE"
+volcano_complete() {
+  for b in "${vbins[@]}"; do [[ -x "$vdest/bin/$b" ]] || return 1; done
+  [[ -f "$vdest/src/.complete" ]]
+}
 if [[ "${1:-}" == "--print-dir" ]]; then echo "$dest"; exit 0; fi
-if complete; then echo "kube-tools: up to date in $dest/bin"; exit 0; fi
+if [[ "${1:-}" == "--print-volcano-dir" ]]; then echo "$vdest"; exit 0; fi
+if complete && volcano_complete; then echo "kube-tools: up to date in $dest/bin and $vdest/bin"; exit 0; fi
 command -v go >/dev/null || { echo "kube-tools: the Go toolchain is needed (go on PATH)"; exit 1; }
 
 export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
@@ -83,6 +97,7 @@ if ! complete; then
     build "$work/kwok" kwok sigs.k8s.io/kwok/cmd/kwok "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
   fi
 fi
+if [[ ! -f "$dest/kwok-crds/.complete" ]]; then
 # KWOK's stages (pod ready/complete, chaos), from the downloaded module
 kwokdir="$(cd "$work/kwok" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)"
 rm -rf "$dest/kwok-stages" && mkdir -p "$dest/kwok-stages" && cp -r "$kwokdir/kustomize/stage/." "$dest/kwok-stages/" && chmod -R u+w "$dest/kwok-stages"
@@ -90,6 +105,37 @@ touch "$dest/kwok-stages/.complete"
 # KWOK's CRDs (Logs: the container logs its kubelet server serves, per pod), from the same module
 rm -rf "$dest/kwok-crds" && mkdir -p "$dest/kwok-crds" && cp "$kwokdir/kustomize/crd/bases/"*.yaml "$dest/kwok-crds/" && chmod -R u+w "$dest/kwok-crds"
 touch "$dest/kwok-crds/.complete"
+fi
 complete
+
+# Volcano from its release source: its go.mod already replaces volcano.sh/apis by its staging folder and the
+# k8s.io staging modules by their published versions, so `go build` runs inside the unpacked tree.
+if ! volcano_complete; then
+  if [[ ! -f "$varchive" ]]; then
+    echo "kube-tools: $varchive is missing: Volcano is not built and the tests that need it skip." >&2
+    echo "  It is the public tag volcano-sh/volcano $VOLCANO_VERSION (commit $VOLCANO_COMMIT):" >&2
+    echo "  git archive --prefix=volcano-$VOLCANO_VERSION/ -o $VOLCANO_ARCHIVE $VOLCANO_VERSION (sha256 $VOLCANO_SHA256" >&2
+    echo "  for the trimmed archive in ../shared/upstream; another archive of the tag needs its sum in versions.env)." >&2
+  else
+    got="$(sha256sum "$varchive" | cut -d' ' -f1)"
+    if [[ "$got" != "$VOLCANO_SHA256" ]]; then
+      echo "kube-tools: refusing $varchive: its sha256 is $got, kube/versions.env pins $VOLCANO_SHA256" >&2
+      exit 1
+    fi
+    step "Volcano $VOLCANO_VERSION: unpacking $VOLCANO_ARCHIVE"
+    rm -rf "$vdest/src" && mkdir -p "$vdest/src" "$vdest/bin"
+    tar -xzf "$varchive" -C "$vdest/src" --strip-components=1
+    [[ -f "$vdest/src/go.mod" ]] || { echo "kube-tools: $varchive holds no go.mod at its top folder" >&2; exit 1; }
+    # Volcano's Makefile.def: version, commit and build date into volcano.sh/volcano/pkg/version
+    vver="-X 'volcano.sh/volcano/pkg/version.Version=$VOLCANO_VERSION' -X 'volcano.sh/volcano/pkg/version.GitSHA=$VOLCANO_COMMIT' -X 'volcano.sh/volcano/pkg/version.Built=$(date -u '+%Y-%m-%d %H:%M:%S')'"
+    for pair in vc-scheduler:./cmd/scheduler vc-controller-manager:./cmd/controller-manager; do
+      b="${pair%%:*}"; pkg="${pair#*:}"
+      step "building $b ($pkg)"
+      (cd "$vdest/src" && go build -trimpath -ldflags "-s -w $vver" -o "$vdest/bin/$b.tmp" "$pkg")
+      mv "$vdest/bin/$b.tmp" "$vdest/bin/$b"
+    done
+    touch "$vdest/src/.complete"
+  fi
+fi
 rm -rf "$GOCACHE"
-step "done: $(du -sh "$dest/bin" | cut -f1) of binaries in $dest/bin (Go modules: $(du -sh "$(go env GOMODCACHE)" | cut -f1) in $(go env GOMODCACHE))"
+step "done: $(du -sh "$dest/bin" | cut -f1) of binaries in $dest/bin, $(du -sh "$vdest" 2>/dev/null | cut -f1) in $vdest (Go modules: $(du -sh "$(go env GOMODCACHE)" | cut -f1) in $(go env GOMODCACHE))"
