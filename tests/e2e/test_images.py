@@ -4,6 +4,7 @@ its short requirements file asks for with hashes and agrees with the image it bu
 
 No image can be built here (no container engine): the finetune image's environment, which `make test` builds
 from its lock file, stands for "the lock installs"; tests/e2e/test_finetune.py runs servers and jobs in it.
+Which images the default profiles offer and the refusals of an image not offered: tests/unit/hub/test_image_choices.py.
 """
 
 from __future__ import annotations
@@ -20,12 +21,9 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from gpupool.hub import __version__
-from gpupool.hub.accounting.jobs import JobRefused, JobSubmission, resolve
 from gpupool.hub.harness import platform_command
 from gpupool.images import IMAGES_DIR, TEMPLATES_DIR, image_names
-from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
-from gpupool.policies.choice import ChoiceRefused, check_choice
+from gpupool.policies import DEFAULT_POLICY_DIR
 from gpupool.spawner.images import default_images_dir, image_stamp
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -177,17 +175,6 @@ def test_templates_are_listed_copied_and_never_copied_over_a_folder_of_yours(tmp
     assert unknown.returncode == 2 and "no template 'nope'" in unknown.stderr and not (tmp_path / "nope").exists()
 
 
-def test_every_default_gpu_profile_offers_jupyterlab_and_the_finetune_image_of_this_version():
-    """Issue 33: docs/finetune.md's first fine-tune runs on the default policies: each GPU profile offers the
-    fine-tuning image beside JupyterLab (preselected), as the containers `docker build` tags at this version."""
-    policy = load_policy(DEFAULT_POLICY_DIR)
-    for slug, profile in policy.profiles.items():
-        offered = {key: (i.environment, i.image, i.default) for key, i in profile.images.items()}
-        assert offered == ({} if profile.gpu is None else {
-            "base": ("base", f"gpupool/base:{__version__}", True),
-            "finetune": ("finetune", f"gpupool/finetune:{__version__}", False)}), slug
-
-
 def test_templates_new_names_a_profile_of_the_team_that_offers_the_finetune_image(tmp_path):
     """The `gpupool jobs submit` line `templates new` prints: the server's own profile when it offers the image,
     else the team's first that does; where none does, the way out (never a profile that does not exist)."""
@@ -207,29 +194,6 @@ def test_templates_new_names_a_profile_of_the_team_that_offers_the_finetune_imag
     assert submit.format("h200-quarter") in hint(DEFAULT_POLICY_DIR, "vision", "cpu")
     without = hint(ROOT / "policies" / "examples", "vision")
     assert submit.format("PROFILE") in without and "an administrator adds it to a profile's `images:`" in without
-
-
-def test_an_image_a_profile_does_not_offer_is_refused_with_the_way_out():
-    """Issue 33: `profile 'h200-quarter' has no image 'finetune' (options: none)` did not say what to do: the
-    refusals of a server's choice and of a job name the profiles of the person's teams that offer the image, or
-    the policy field through which an administrator offers it."""
-    policy = load_policy(DEFAULT_POLICY_DIR)
-    with pytest.raises(ChoiceRefused) as refused:
-        check_choice(policy, "alice", ["nlp"], {"profile": "cpu", "image": "finetune"})
-    assert refused.value.message == ("No such image for cpu: 'finetune'. Options include: none; 'finetune' is offered "
-                                     "by profiles h200-quarter, h200-mig-1g")
-    job = JobSubmission(profile="cpu", image="finetune", command=["python", "train.py"], workdir="/tmp")
-    with pytest.raises(JobRefused) as refused:
-        resolve(policy, "alice", ["vision"], job)
-    assert str(refused.value) == ("profile 'cpu' has no image 'finetune' (options: none); 'finetune' is offered by "
-                                  "profiles h200-quarter, h200-half, h200-mig-1g, h200-whole")
-    job = JobSubmission(profile="h200-quarter", image="tensorflow", command=["python"], workdir="/tmp")
-    with pytest.raises(JobRefused) as refused:
-        resolve(policy, "alice", ["vision"], job)
-    assert "no profile of your teams offers 'tensorflow': an administrator adds it to a profile's `images:` in the " \
-           "policy (profiles.PROFILE.images.tensorflow; see docs/finetune.md)" in str(refused.value)
-    assert resolve(policy, "alice", ["vision"], JobSubmission(profile="h200-quarter", command=["python"],
-                                                               workdir="/tmp")).image == "base"
 
 
 @pytest.mark.parametrize("name", ["base", "pytorch"])
