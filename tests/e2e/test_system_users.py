@@ -27,7 +27,7 @@ from gpupool.hub.harness import Hub
 from gpupool.policies.identity import unix_group, unix_user
 from gpupool.spawner.accounts import IdentityConflict, claim_machine
 from gpupool.spawner.datasets import Remote, dvc_config_text, git_config_text, safe_directories_text
-from gpupool.spawner.local import ensure_system_user, ensure_team_folder, runnable_by_others
+from gpupool.spawner.local import ensure_system_user, ensure_team_folder
 
 pytestmark = pytest.mark.skipif(
     os.getuid() != 0 or shutil.which("useradd") is None,
@@ -305,14 +305,3 @@ def test_team_remote_and_registry_are_shared_inside_the_team_and_closed_outside(
     done = run(carol, "sh", "-c", f"mkdir got && cd got && {SYSTEM_PYTHON} -m dvc ls {registry}",
                cwd=carol_home)
     assert done.returncode == 0 and f"{carol}.txt" in done.stdout.split(), (done.stdout, done.stderr)
-
-
-def test_runnable_by_others(tmp_path):
-    private = tmp_path / "private"
-    private.mkdir()
-    os.chmod(private, 0o700)
-    tool = private / "tool"
-    tool.write_text("")
-    os.chmod(tool, 0o755)
-    assert not runnable_by_others(tool)
-    assert runnable_by_others(Path("/bin/sh"))
