@@ -1,7 +1,9 @@
 """pytest plugin: JupyterHub's own spawner tests, run with `LocalGPUSpawner` in place of the stock spawner.
 
 `tests/e2e/test_jupyterhub_contract.py` runs the installed `jupyterhub` package's shipped `test_spawner`,
-`test_named_servers` and `test_api` in a pytest of their own with `-p jupyterhub_contract`. Importing this
+`test_named_servers` and the spawn and server parts of `test_api` (`API_SPAWN_AND_SERVER_TESTS`; the rest of
+that module, users, tokens, groups and services, starts no server) in a pytest of their own with
+`-p jupyterhub_contract`. Importing this
 plugin (before JupyterHub's test modules are imported) replaces `jupyterhub.spawner.SimpleLocalProcessSpawner`,
 the stock spawner of those tests and the base of their `MockSpawner`, with `ContractSpawner`: a
 `LocalGPUSpawner` whose default profile holds a quarter of a (declared) H200 from the embedded pool, so every
@@ -9,7 +11,8 @@ spawn goes through the pool, the allocation store and the ledger.
 
 `DIFFERENCES` is the one list of JupyterHub tests that differ by design, each with its reason; they run as
 strict xfails (a listed test that starts to pass fails the run, so the list cannot go stale), and a listed
-name that is no longer collected fails the run too. Everything else must pass.
+name that is no longer collected, or not among the tests that run, fails the run too; so does a name of
+`API_SPAWN_AND_SERVER_TESTS` that JupyterHub no longer ships. Everything else must pass.
 """
 
 from __future__ import annotations
@@ -51,6 +54,21 @@ DIFFERENCES: dict[str, str] = {
     "test_api::test_progress": "the events are gpupool's: 'Checking the profile…', then the queue or the card",
     "test_api::test_progress_bad_slow": "the second event is gpupool's 'Checking the profile…' at 5 %, not 50 %",
 }
+
+#: The tests of JupyterHub's `test_api` that start, stop, time out or read servers (its spawn and server parts);
+#: the rest of that module (users, tokens, groups, services, proxy, info) never reaches a spawner and is deselected.
+API_SPAWN_AND_SERVER_TESTS: frozenset[str] = frozenset({
+    # spawn and stop through the REST API, slow, never-starting and failing spawners, progress, limits
+    "test_spawn", "test_user_options", "test_spawn_handler", "test_slow_spawn", "test_never_spawn", "test_bad_spawn",
+    "test_spawn_error_log", "test_spawn_nosuch_user", "test_stop_nosuch_user", "test_slow_bad_spawn",
+    "test_progress", "test_progress_not_started", "test_progress_not_found", "test_progress_ready",
+    "test_progress_ready_hook_async_func", "test_progress_ready_hook_sync_func",
+    "test_progress_ready_hook_async_func_exception", "test_progress_bad", "test_progress_bad_slow",
+    "test_spawn_progress_cutoff", "test_spawn_limit", "test_active_server_limit", "test_start_stop_race",
+    # servers' models, state filters, activity, renames and patches; a spawned user's cookie; shutdown with servers
+    "test_get_users_state_filter", "test_cookie", "test_update_server_activity", "test_rename_server",
+    "test_patch_server", "test_shutdown",
+})
 
 #: The pool's state and the policy of the run (the runner passes a folder of pytest's; else a new one).
 _ROOT = Path(os.environ.get("GPUPOOL_CONTRACT_ROOT") or tempfile.mkdtemp(prefix="gpupool-contract-"))
@@ -138,8 +156,19 @@ def _name(item: pytest.Item) -> str:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    seen = set()
     modules = {_name(item).partition("::")[0] for item in items}
+    if "test_api" in modules:
+        shipped = {item.originalname for item in items if _name(item).startswith("test_api::")}
+        gone = sorted(API_SPAWN_AND_SERVER_TESTS - shipped)
+        if gone:
+            raise pytest.UsageError("API_SPAWN_AND_SERVER_TESTS in tests/jupyterhub_contract.py names JupyterHub "
+                                    "test_api tests that no longer exist: " + ", ".join(gone))
+        kept = [item for item in items
+                if not _name(item).startswith("test_api::") or item.originalname in API_SPAWN_AND_SERVER_TESTS]
+        keep = set(map(id, kept))
+        config.hook.pytest_deselected(items=[item for item in items if id(item) not in keep])
+        items[:] = kept
+    seen = set()
     for item in items:
         name = _name(item)
         for key in (name, f"{name}[{item.name.partition('[')[2]}"):
@@ -149,8 +178,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     stale = sorted(name for name in set(DIFFERENCES) - seen if name.partition("::")[0] in modules)
     if stale:
         raise pytest.UsageError(
-            "DIFFERENCES in tests/jupyterhub_contract.py names JupyterHub tests that no longer exist: "
-            + ", ".join(stale)
+            "DIFFERENCES in tests/jupyterhub_contract.py names JupyterHub tests that no longer exist or do not run "
+            "(test_api: only API_SPAWN_AND_SERVER_TESTS run): " + ", ".join(stale)
         )
 
 

@@ -1,6 +1,7 @@
-"""JupyterHub's own suite is part of ours: its shipped spawner, named-server and REST API tests, run with
-`LocalGPUSpawner` swapped in (the plugin `tests/jupyterhub_contract.py`, which also lists the differences that
-are gpupool's by design). A JupyterHub upgrade that changes the spawner contract fails here, not for a user.
+"""JupyterHub's own suite is part of ours: its shipped spawner and named-server tests and the spawn and server
+parts of its REST API tests, run with `LocalGPUSpawner` swapped in (the plugin `tests/jupyterhub_contract.py`,
+which picks those parts of `test_api` and lists the differences that are gpupool's by design). A JupyterHub
+upgrade that changes the spawner contract fails here, not for a user.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import jupyterhub
 
 from gpupool.hub.config import REPO_ROOT
 
+#: `test_api` runs only its spawn and server tests (`API_SPAWN_AND_SERVER_TESTS` of the plugin deselects the rest).
 MODULES = ("jupyterhub.tests.test_spawner", "jupyterhub.tests.test_named_servers", "jupyterhub.tests.test_api")
 
 
