@@ -59,14 +59,29 @@ UNTIL_STOPPED = [sys.executable, "-c", "import signal, sys, time\n"
                  "while True: time.sleep(0.1)"]
 
 
-@pytest.fixture
-def hub(tmp_path):
-    hub = Hub(tmp_path, POLICY, 'c.LocalGPUSpawner.run_as = "self"', mlflow=False)
+@pytest.fixture(scope="module")
+def shared_hub(tmp_path_factory):
+    """One hub for the tests that need no fresh one (a hub start is most of a short test's time); `hub` leaves it
+    with nothing running between them. The tests that need another configuration start their own."""
+    hub = Hub(tmp_path_factory.mktemp("jobs"), POLICY, 'c.LocalGPUSpawner.run_as = "self"', mlflow=True)
     hub.start()
     hub.wait_service("jobs", "health")
+    hub.wait_service("mlflow", "health")
     yield hub
     hub.kill()
-    hub.kill_leftovers()  # no job, server or service outlives the test
+    hub.kill_leftovers()  # no job, server or service outlives the module
+
+
+@pytest.fixture
+def hub(shared_hub):
+    """The module's hub, running (a test that restarts it and fails may have left it down), and after the test
+    with no job, server or share of the card left (`leave_nothing_running`)."""
+    if shared_hub.process.poll() is not None:
+        shared_hub.kill_leftovers()  # its proxy and services, which a killed hub leaves
+        shared_hub.start()
+        shared_hub.wait_service("jobs", "health")
+    yield shared_hub
+    leave_nothing_running(shared_hub)
 
 
 class Jobs:
@@ -108,6 +123,25 @@ class Jobs:
         env = {**os.environ, "JUPYTERHUB_API_TOKEN": self.token, "GPUPOOL_HUB_URL": self.hub.url + "/"}
         return subprocess.run([str(platform_command(None)), "jobs", *args], cwd=cwd, env=env, capture_output=True,
                               text=True, timeout=120, check=False)
+
+
+def leave_nothing_running(hub: Hub) -> None:
+    """The clean-up between the tests sharing a hub: every job not ended is cancelled (by the admin, who sees all
+    jobs) and has ended, every server (named ones too) is stopped, and the pool then holds nothing, so that the
+    next test finds its one card free."""
+    admin = Jobs(hub, "admin")
+    for job in admin.call("GET", "api/jobs").json()["jobs"]:
+        if job["state"] not in ENDED:
+            reply = admin.call("POST", f"api/jobs/{job['id']}/cancel")
+            assert reply.status_code in (200, 409), reply.text  # 409: it ended meanwhile
+            admin.wait(job["id"], lambda j: j["state"] in ENDED, what="to its end after a cancel")
+    for user in hub.api("GET", "/users").json():
+        for server in user.get("servers", {}):
+            hub.stop_server(user["name"], timeout=120, server=server)
+    deadline = time.monotonic() + 60
+    while hub.allocations():
+        assert time.monotonic() < deadline, f"the pool still holds {hub.allocations()} after the clean-up"
+        time.sleep(0.2)
 
 
 def job_intervals(hub: Hub, job_id: str) -> list:
@@ -239,8 +273,10 @@ def test_a_notebook_preempts_a_low_priority_job_which_saves_requeues_and_resumes
     assert [(i.how, i.state) for i in runs] == [("preempted", "running"), ("stopped", "running")]
     ledger = Ledger(hub.ledger_url, migrate=False)
     with ledger.engine.connect() as connection:
+        # alice's notebook: the module's hub has the other tests' servers in its ledger
         (server,) = connection.execute(sa.select(INTERVALS).where(INTERVALS.c.kind == "server",
-                                                                  INTERVALS.c.state == "running")).all()
+                                                                  INTERVALS.c.state == "running",
+                                                                  INTERVALS.c.user == "alice")).all()
     ledger.dispose()
     assert runs[0].end_at <= server.start_at and server.end_at <= runs[1].start_at
 
@@ -279,39 +315,31 @@ def test_a_suspended_job_saves_waits_and_resumes_where_it_stopped_without_a_rest
     assert alice.call("POST", f"api/jobs/{job['id']}/resume").status_code == 409
 
 
-def test_an_mlflow_run_made_inside_a_job_is_tagged_with_that_jobs_gpu_hours_and_cost(tmp_path):
-    hub = Hub(tmp_path, POLICY, 'c.LocalGPUSpawner.run_as = "self"', mlflow=True)
-    hub.start()
-    try:
-        hub.wait_service("jobs", "health")
-        hub.wait_service("mlflow", "health")
-        hub.add_user("alice", "vision")
-        alice = Jobs(hub, "alice")
-        out = tmp_path / "run_id"
-        # A training script as a user writes it: MLflow from the job's environment (tracking URI, token,
-        # experiment), a run of a few seconds on the job's card.
-        script = ("import time, mlflow\n"
-                  "with mlflow.start_run() as run:\n"
-                  "    mlflow.log_metric('loss', 0.5)\n"
-                  "    time.sleep(3)\n"
-                  f"open({str(out)!r}, 'w').write(run.info.run_id)\n")
-        job = alice.submit(profile="h200", command=[sys.executable, "-c", script])
-        done = alice.wait(job["id"], lambda j: j["state"] in ENDED, what="to its end")
-        assert done["state"] == "succeeded", alice.call("GET", f"api/jobs/{job['id']}/log").text
-        reply = requests.get(f"{hub.url}/services/mlflow/api/2.0/mlflow/runs/get", params={"run_id": out.read_text()},
-                             headers={"Authorization": f"token {alice.token}"}, timeout=60)
-        assert reply.status_code == 200, reply.text
-        tags = {t["key"]: t["value"] for t in reply.json()["run"]["data"]["tags"]}
-        assert (tags["gpupool.user"], tags["gpupool.team"], tags["gpupool.profile"], tags["gpupool.job"]) == (
-            "alice", "vision", "h200", job["id"])
-        # At least the 3 s it slept on the whole card, at most the job's own run: priced at 3.20 EUR per GPU-hour.
-        seconds = Fraction(tags["gpupool.gpu_seconds"])
-        (interval,) = closed_intervals(hub, job["id"], 1)
-        assert 2 <= seconds <= (interval.end_at - interval.start_at).total_seconds()
-        assert Decimal(tags["gpupool.cost"]) > 0 and tags["gpupool.currency"] == "EUR"
-    finally:
-        hub.kill()
-        hub.kill_leftovers()  # no job, server or service outlives the test
+def test_an_mlflow_run_made_inside_a_job_is_tagged_with_that_jobs_gpu_hours_and_cost(hub, tmp_path):
+    hub.add_user("alice", "vision")
+    alice = Jobs(hub, "alice")
+    out = tmp_path / "run_id"
+    # A training script as a user writes it: MLflow from the job's environment (tracking URI, token,
+    # experiment), a run of a few seconds on the job's card.
+    script = ("import time, mlflow\n"
+              "with mlflow.start_run() as run:\n"
+              "    mlflow.log_metric('loss', 0.5)\n"
+              "    time.sleep(3)\n"
+              f"open({str(out)!r}, 'w').write(run.info.run_id)\n")
+    job = alice.submit(profile="h200", command=[sys.executable, "-c", script])
+    done = alice.wait(job["id"], lambda j: j["state"] in ENDED, what="to its end")
+    assert done["state"] == "succeeded", alice.call("GET", f"api/jobs/{job['id']}/log").text
+    reply = requests.get(f"{hub.url}/services/mlflow/api/2.0/mlflow/runs/get", params={"run_id": out.read_text()},
+                         headers={"Authorization": f"token {alice.token}"}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    tags = {t["key"]: t["value"] for t in reply.json()["run"]["data"]["tags"]}
+    assert (tags["gpupool.user"], tags["gpupool.team"], tags["gpupool.profile"], tags["gpupool.job"]) == (
+        "alice", "vision", "h200", job["id"])
+    # At least the 3 s it slept on the whole card, at most the job's own run: priced at 3.20 EUR per GPU-hour.
+    seconds = Fraction(tags["gpupool.gpu_seconds"])
+    (interval,) = closed_intervals(hub, job["id"], 1)
+    assert 2 <= seconds <= (interval.end_at - interval.start_at).total_seconds()
+    assert Decimal(tags["gpupool.cost"]) > 0 and tags["gpupool.currency"] == "EUR"
 
 
 def test_a_job_submitted_in_a_jupyterlab_terminal_runs_and_its_log_is_followed_there(hub):
