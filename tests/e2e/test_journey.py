@@ -41,7 +41,8 @@ import psutil
 import pytest
 import requests
 
-from gpupool.hub.harness import Browser, Hub, Terminal, platform_command
+from gpupool.hub.harness import Browser, Hub, Terminal
+from ordinary_user import ordinary_user
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOTS = REPO_ROOT / "docs" / "screenshots"
@@ -65,7 +66,6 @@ billing: {{currency: EUR, prices: {{H200: '3.20'}}}}
 QUARTER = "0.25 × H200"
 #: The people of the journey: two who work, and a third who finds the team's quota full.
 PEOPLE = ("ada", "ben", "cleo")
-ORDINARY_USER = "gpjourney"
 RUN_NAME = "journey-run"
 VARIANTS = ("hub-as-root", "hub-as-ordinary-user")
 
@@ -140,30 +140,6 @@ class Journey:
         return self.hub.log.read_bytes()[since:].decode(errors="replace")
 
 
-def _ordinary_user() -> tuple[str, str | None]:
-    """The ordinary Unix user that runs the hub (created when missing); why it cannot, when it cannot."""
-    if os.geteuid() != 0:
-        return pwd.getpwuid(os.geteuid()).pw_name, None  # the tests themselves run as an ordinary user
-    try:
-        pwd.getpwnam(ORDINARY_USER)
-    except KeyError:
-        subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", ORDINARY_USER], check=True)
-    account = pwd.getpwnam(ORDINARY_USER)
-    try:
-        done = subprocess.run([str(platform_command(ORDINARY_USER)), "--version"], user=account.pw_uid, group=account.pw_gid,
-                              extra_groups=[], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "HOME": account.pw_dir})
-        problem = None if done.returncode == 0 else (done.stderr or done.stdout).strip()[-500:]
-    except OSError as error:
-        problem = str(error)
-    if problem:
-        return ORDINARY_USER, (
-            f"the platform installed for every user cannot be run by an ordinary user: "
-            f"`{platform_command(ORDINARY_USER)} --version` as {ORDINARY_USER} fails ({problem}); `make install` "
-            "as root builds it (/opt/gpupool/env, issue 12 item 2)")
-    return ORDINARY_USER, None
-
-
 def _watch_for_password(journey: Journey, stop: threading.Event) -> None:
     """The moment `gpupool up` prints the password, ask the printed address for its login page, as a person would."""
     while not stop.is_set():
@@ -191,7 +167,7 @@ def journey(request, tmp_path_factory):
             pytest.skip("the hub-as-root journey needs the tests to run as root (CI does)")
         hub_user, unix_user = "root", None
     else:
-        hub_user, problem = _ordinary_user()
+        hub_user, problem = ordinary_user()
         if problem:
             pytest.skip(problem)
         unix_user = hub_user if os.geteuid() == 0 else None

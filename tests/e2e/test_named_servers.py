@@ -26,6 +26,7 @@ from gpupool.hub.accounting.ledger import Ledger, run_server
 from gpupool.hub.accounting.periods import period_bounds, period_of, utcnow
 from gpupool.hub.config import Settings, apply_config, named_server_limit
 from gpupool.hub.harness import Browser, Hub, wait_for
+from ordinary_user import ordinary_user
 from gpupool.spawner.wiring import sharing_roles
 from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
 from gpupool.policies.sharing import SHARE_CODES_REFUSED, share_refusal
@@ -482,9 +483,7 @@ def test_stop_on_a_queued_servers_progress_page_stops_that_server_alone(hub, ses
 def ordinary_hub():
     """A hub run by an ordinary Unix user (the journey's, made when missing) on this module's policies; its
     admin, the one account such a hub has, is in team ops."""
-    from test_journey import _ordinary_user  # the journey's ordinary user, made once for both
-
-    hub_user, problem = _ordinary_user()
+    hub_user, problem = ordinary_user()
     if problem:
         pytest.skip(problem)
     unix_user = hub_user if os.geteuid() == 0 else None

@@ -245,6 +245,15 @@ def test_the_kind_of_a_test_is_its_folder():
     assert starts_a_hub == []
 
 
+def test_test_modules_import_no_other_test_module():
+    # --import-mode=importlib gives test modules no importable names: what two modules share is a support
+    # module in tests/ (pythonpath), or an import that works in one order of collection and fails in another
+    tests = ROOT / "tests"
+    imports = sorted(f"{path.relative_to(tests)}: {match.group(0).strip()}" for path in tests.rglob("test_*.py")
+                     for match in re.finditer(r"^\s*(from|import)\s+(\S+\.)?test_\w+", path.read_text(), re.M))
+    assert imports == []
+
+
 def test_end_to_end_tests_are_marked_by_their_folder(request):
     e2e = [item for item in request.session.items if item.get_closest_marker("e2e")]
     unit = [item for item in request.session.items if not item.get_closest_marker("e2e")]
