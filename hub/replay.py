@@ -39,10 +39,31 @@ from gpupool.spawner.placement import (
     ONE, FreeState, Placement, choose_cards, demands_of, node_score, placement_for,
 )
 from gpupool.spawner.pool import (
-    BEST_FIT, Allocation, Card, Request, Verdict, admit_in_order, holding_more, place,
+    BEST_FIT, Allocation, Card, Request, Verdict, admit_in_order, place,
 )
 
 SECONDS_PER_DAY = 86400.0
+
+
+def _exact(value: Fraction | int | None) -> tuple[int, int] | None:
+    """A share as a dictionary key: (numerator, denominator), cheaper to hash than the Fraction, and equal alike."""
+    return None if value is None else (value.numerator, value.denominator)
+
+
+def _less(held: Fraction, share: Fraction) -> Fraction:
+    """held - share, whole numbers subtracted as integers (the same Fraction, without its general arithmetic)."""
+    if held.denominator == 1 == share.denominator:
+        return Fraction(held.numerator - share.numerator)
+    return held - share
+
+
+def _plus(held: Fraction | None, share: Fraction) -> Fraction:
+    """held + share (nothing held: None), whole numbers added as integers."""
+    if held is None:
+        return Fraction(0) + share
+    if held.denominator == 1 == share.denominator:
+        return Fraction(held.numerator + share.numerator)
+    return held + share
 
 
 # --- the workload ------------------------------------------------------------------------------------
@@ -79,19 +100,29 @@ def read_philly(path: str | Path, model: str = "P100", limit: int | None = None)
     """
     rows = []
     with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            rows.append((datetime.fromisoformat(row["timestamp"]).replace(tzinfo=timezone.utc),
-                         float(row["duration"]), int(row["num_gpus"]), row["cluster"]))
+        reader = csv.reader(f)
+        header = next(reader, [])
+        try:
+            when, long, gpus, vc = (header.index(column) for column in ("timestamp", "duration", "num_gpus", "cluster"))
+        except ValueError:
+            raise ValueError(f"{path}: not a Philly trace (its header is {','.join(header)!r}; accepted: "
+                             f"{','.join(PHILLY_HEADER)})") from None
+        for row in reader:
+            if not row:
+                continue  # a blank line, as csv.DictReader skips it
+            rows.append((datetime.fromisoformat(row[when]).replace(tzinfo=timezone.utc), float(row[long]),
+                         int(row[gpus]), row[vc]))
     rows.sort(key=lambda r: r[0])
     if limit is not None:
         rows = rows[:limit]
     start = rows[0][0] if rows else datetime(1970, 1, 1, tzinfo=timezone.utc)
-    jobs, skipped = [], 0
+    jobs, skipped, shares = [], 0, {}
     for n, (at, duration, gpus, vc) in enumerate(rows):
         if gpus <= 0:
             skipped += 1
             continue
-        jobs.append(Job(f"philly-{n}", vc, vc, model, Fraction(gpus), (at - start).total_seconds(), duration))
+        share = shares.get(gpus) or shares.setdefault(gpus, Fraction(gpus))  # one Fraction per size: they are values
+        jobs.append(Job(f"philly-{n}", vc, vc, model, share, (at - start).total_seconds(), duration))
     return Workload(jobs, start, f"philly {path}", skipped)
 
 
@@ -193,8 +224,12 @@ class Cluster:
         self.version: dict[str, list[int]] = {m: [0] * len(nodes) for m, nodes in self.nodes.items()}
         self.scores: dict[tuple, tuple | None] = {}
         self.heaps: dict[tuple, list[tuple]] = {}  # (model, share) → (score, node, version of the node)
+        # The nodes changed, in order, per model; each heap has taken in those before its mark (`_fresh`).
+        self.changed: dict[str, list[int]] = {m: [] for m in self.nodes}
+        self.marks: dict[tuple, int] = {}
         self.held: dict[str, Allocation] = {}
-        self._per_card: dict[Fraction, tuple] = {}  # share → (its share of each card, in units; cards it takes)
+        self._per_card: dict[tuple, int | Fraction] = {}  # share → what it takes of each card it goes on, in units
+        self._asked: dict[tuple, int | Fraction | None] = {}  # (model, share) → its units, None when above a node
 
     @property
     def used(self) -> dict[str, Fraction]:
@@ -232,6 +267,26 @@ class Cluster:
                 if (score := self._score(model, state, share)) is not None]
         heapq.heapify(heap)
         self.heaps[model, share] = heap
+        self.marks[model, share] = len(self.changed[model])
+        return heap
+
+    def _fresh(self, model: str, share) -> list[tuple]:
+        """The heap of (score, node, version) for `share`, with an entry for the current state of every node that
+        changed since it was last asked (older entries of those nodes are stale: their version has passed)."""
+        heap = self.heaps.get((model, share))
+        if heap is None:
+            return self._heap(model, share)
+        changed, mark = self.changed[model], self.marks[model, share]
+        if mark == len(changed):
+            return heap
+        nodes = set(changed[mark:])
+        if len(heap) + len(nodes) > 4 * len(self.nodes[model]) + 64:  # mostly stale entries: build it anew
+            return self._heap(model, share)
+        states, versions = self.state[model], self.version[model]
+        for n in nodes:
+            if (score := self._score(model, states[n], share)) is not None:
+                heapq.heappush(heap, (score, n, versions[n]))
+        self.marks[model, share] = len(changed)
         return heap
 
     def _card_changed(self, uuid: str, taken) -> tuple[str, int]:
@@ -249,21 +304,26 @@ class Cluster:
         return model, n
 
     def _node_changed(self, model: str, n: int) -> None:
-        state = self.state[model][n] = tuple(sorted(self.free[model][n].items()))
+        self.state[model][n] = tuple(sorted(self.free[model][n].items()))
         self.version[model][n] += 1
-        version = self.version[model][n]
-        for (m, share), heap in self.heaps.items():
-            if m == model:
-                if len(heap) > 4 * len(self.nodes[model]) + 64:  # mostly stale entries: build it anew
-                    heap[:] = self._heap(model, share)
-                elif (score := self._score(model, state, share)) is not None:
-                    heapq.heappush(heap, (score, n, version))
+        changed = self.changed[model]
+        changed.append(n)
+        if len(changed) > 8 * len(self.nodes[model]) + 1024:
+            # Keep the log short: heaps that took in all of it start again at its new start; the others are
+            # dropped, to be built anew when next asked.
+            for asked in [asked for asked in self.heaps if asked[0] == model]:
+                if self.marks[asked] == len(changed):
+                    self.marks[asked] = 0
+                else:
+                    del self.heaps[asked], self.marks[asked]
+            changed.clear()
 
     def _taken(self, share: Fraction):
         """The units `share` takes of each card it goes on (all of a card for a whole card or more)."""
-        taken = self._per_card.get(share)
+        exact = (share.numerator, share.denominator)
+        taken = self._per_card.get(exact)
         if taken is None:
-            taken = self._per_card[share] = self._units(share if share < 1 else Fraction(1))
+            taken = self._per_card[exact] = self._units(share if share < 1 else Fraction(1))
         return taken
 
     def reserve(self, request: Request) -> Allocation | None:
@@ -293,14 +353,15 @@ class Cluster:
         nodes = self.nodes.get(model)
         if not nodes:
             return None
-        if share >= 1 and share.denominator != 1:
-            raise ValueError(f"a share above one card must be whole cards, not {share}")
-        placement = self.placements[model]
-        if share <= self.node_size(model):
-            units = self._units(share)
-            heap = self.heaps.get((model, units))
-            if heap is None:
-                heap = self._heap(model, units)
+        asked = (model, share.numerator, share.denominator)
+        if asked in self._asked:
+            units = self._asked[asked]
+        else:
+            if share >= 1 and share.denominator != 1:
+                raise ValueError(f"a share above one card must be whole cards, not {share}")
+            units = self._asked[asked] = self._units(share) if share <= self.node_size(model) else None
+        if units is not None:
+            heap = self._fresh(model, units)
             versions = self.version[model]
             while heap and heap[0][2] != versions[heap[0][1]]:
                 heapq.heappop(heap)
@@ -317,7 +378,8 @@ class Cluster:
         for n in sorted(range(len(nodes)), key=free.__getitem__, reverse=True):  # most free first; ties: first node
             take = min(free[n], need - len(chosen))
             if take:
-                chosen.extend(place(nodes[n], self._used_of(nodes[n]), model, Fraction(take), placement) or ())
+                chosen.extend(place(nodes[n], self._used_of(nodes[n]), model, Fraction(take), self.placements[model])
+                              or ())
             if len(chosen) == need:
                 break
         return tuple(chosen)
@@ -407,7 +469,7 @@ class Admission:
     def __call__(self, request: Request, holdings: Holdings) -> Verdict:
         if holdings is not self._holdings:
             self._holdings, self._cache = holdings, {}
-        asked = (request.team, request.user, request.profile, request.model, request.share)
+        asked = (request.team, request.user, request.profile, request.model, _exact(request.share))
         verdict = self._cache.get(asked)
         if verdict is not None:
             self.last[request.key] = verdict
@@ -415,8 +477,8 @@ class Admission:
         direct = request.profile == DIRECT_PROFILE
         if direct and self.memo:
             team = request.team
-            known = asked + (holdings.team.get(team), holdings.team_model.get((team, request.model)),
-                             holdings.team_user.get((team, request.user)))
+            known = asked + (_exact(holdings.team.get(team)), _exact(holdings.team_model.get((team, request.model))),
+                             _exact(holdings.team_user.get((team, request.user))))
             verdict = self._known.get(known)
         if verdict is None:
             question = AdmissionRequest(
@@ -435,12 +497,22 @@ class Admission:
         return verdict
 
 
+def holding_plus(holdings: Holdings, allocation: Allocation) -> Holdings:
+    """`holdings` and `allocation`: what the pool's `holding_more` gives (and `Holdings.of` for both), with whole
+    numbers added as integers."""
+    a = allocation
+    team, team_model, team_user = dict(holdings.team), dict(holdings.team_model), dict(holdings.team_user)
+    for counts, key in ((team, a.team), (team_model, (a.team, a.model)), (team_user, (a.team, a.user))):
+        counts[key] = _plus(counts.get(key), a.share)
+    return Holdings(team, team_model, team_user)
+
+
 def holding_less(holdings: Holdings, allocation: Allocation) -> Holdings:
     """`holdings` without `allocation` (the inverse of the pool's `holding_more`)."""
     a = allocation
     team, team_model, team_user = dict(holdings.team), dict(holdings.team_model), dict(holdings.team_user)
     for counts, key in ((team, a.team), (team_model, (a.team, a.model)), (team_user, (a.team, a.user))):
-        left = counts[key] - a.share
+        left = _less(counts[key], a.share)
         if left:
             counts[key] = left
         else:
@@ -554,12 +626,14 @@ def preempt(policy: Policy, cluster: Cluster, outcomes: list, pending: dict[str,
 
 
 def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Card] | None = None,
-           node_cards: int | None = None, timeline_points: int = 0, give_up_over: float | None = None) -> Replay:
+           node_cards: int | None = None, timeline_points: int = 0, give_up_over: float | None = None,
+           memo: bool = True) -> Replay:
     """Replay `workload` through the platform's admission, queue and placement on a virtual clock.
 
     `give_up_over`: stop (`aborted`) as soon as some team's p95 queue wait must exceed this many seconds:
     more of its jobs have started later than that than 5% allow. Capacity searches use it, because an
-    undersized pool's queue grows without end and each event then costs a pass over all of it.
+    undersized pool's queue grows without end and each event then costs a pass over all of it. `memo`: see
+    `Admission` (False decides every question afresh: the same results, slower).
     """
     if isinstance(workload, Workload):
         jobs, start = workload.jobs, workload.start
@@ -571,7 +645,7 @@ def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Ca
     cluster = Cluster(cards if cards is not None else pool_cards(policy), node_cards,
                       placement=lambda model: placement_for(policy, model), scale=scale)
     meter = Meter(start)
-    decide = Admission(policy, meter)
+    decide = Admission(policy, meter, memo=memo)
     results = {job.key: JobResult(job) for job in jobs}
     requests: dict[str, tuple[Request, int]] = {}
     heap: list[tuple[float, int, int, str]] = []  # (time, 0 = release before 1 = arrival, seq, key)
@@ -623,8 +697,9 @@ def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Ca
             result.ended = now
             result.pieces.append((result._running_since, now))
             result._running_since = None
-            held_gpus -= float(job.share)
-            meter.ended(job.team, float(job.share), result.pieces[-1][0], now)
+            gpus = float(job.share)
+            held_gpus -= gpus
+            meter.ended(job.team, gpus, result.pieces[-1][0], now)
         else:
             if job.share > cluster.capacity(job.model):  # as the pool refuses at once: it could never fit
                 result.denied = (f"{job.share} × {job.model} can never fit: the pool has "
@@ -657,9 +732,10 @@ def replay(workload: Workload | Iterable[Job], policy: Policy, *, cards: list[Ca
                         aborted = aborted or late[placed.team] > allowed[placed.team]
                     done.deprioritized = decide.last[outcome.key].priority == LOWEST_PRIORITY
                     placed_order.append(outcome.key)
-                holdings = holding_more(holdings, outcome.allocation)
-                held_gpus += float(placed.share)
-                meter.started(placed.team, float(placed.share), now)
+                holdings = holding_plus(holdings, outcome.allocation)
+                gpus = float(placed.share)
+                held_gpus += gpus
+                meter.started(placed.team, gpus, now)
                 done._running_since = now
                 ends[outcome.key] = now + remaining.pop(outcome.key, placed.duration)
                 if placed.preemptible and placed.kind == "job":

@@ -239,6 +239,79 @@ PHILLY = TRACES / "philly" / "philly.csv"
 PHILLY_VC = TRACES / "philly" / "philly_vc.csv"
 
 
+def decided(run: R.Replay) -> dict:
+    """Everything a replay decided and reports, to compare two replays of the same workload."""
+    return {"order": run.placed_order, "end": run.end, "events": run.events, "timeline": run.timeline,
+            "results": {k: (r.started, r.ended, r.cards, r.denied, r.deprioritized, r.preempted, r.pieces)
+                        for k, r in run.results.items()},
+            "summary": R.summary(run)}
+
+
+#: POLICY's quotas without its budgets: with no budget the usage stands all month, and so do remembered verdicts.
+QUOTAS = Policy.model_validate({"models": POLICY.model_dump(mode="json")["models"], "inventory": [
+    {"model": "H200", "count": 3}], "teams": {name: {"priority": team.priority, "quota": team.quota.model_dump(
+        mode="json", exclude_none=True)} for name, team in POLICY.teams.items()}})
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("policy", [POLICY, QUOTAS], ids=["budgets", "quotas"])
+def test_a_remembered_verdict_is_the_verdict_decide_gives(seed, policy):
+    # The replay keeps a verdict per question and team holdings while the usage stands (`Admission`'s memo);
+    # deciding every question afresh replays the same: quotas per team and member, budgets that deprioritize
+    # and deny across a period's end, and preemption (nlp and audio's jobs are preemptible).
+    work = R.preemptible(workload(seed, n=80), {"nlp", "audio"})
+    remembered = R.replay(work, policy, timeline_points=50)
+    assert decided(remembered) == decided(R.replay(work, policy, timeline_points=50, memo=False))
+    assert any(r.wait for r in remembered.results.values())
+    assert any(r.denied for r in remembered.results.values())
+    if policy is POLICY:
+        assert any(r.deprioritized for r in remembered.results.values())
+
+
+@pytest.mark.parametrize("dedicated", [True, False])
+def test_philly_slice_replays_the_same_with_and_without_remembered_verdicts(dedicated):
+    # The whole trace was compared byte for byte before and after the replay's speed-ups (docs/replay.md); this
+    # keeps the part of that which the memo could break, on a slice in which dedicated quotas make teams wait.
+    work = R.read_philly(PHILLY, limit=8000)  # dedicated, a cluster is full from job 5,337 on
+    policy = R.philly_policy(R.read_philly_vcs(PHILLY_VC), dedicated=dedicated)
+    fast = R.replay(work, policy, node_cards=8)
+    assert decided(fast) == decided(R.replay(work, policy, node_cards=8, memo=False))
+    assert (R.summary(fast)["overall"]["wait_max_s"] > 0) == dedicated
+
+
+@pytest.mark.parametrize("policy", ["best-fit", "fragmentation-aware"])
+def test_the_clusters_node_is_the_best_scored_node_after_thousands_of_changes(policy):
+    # The cluster finds the best node from heaps it brings up to date only when asked; a pass over every node
+    # finds the same one, through more changes than the cluster keeps in its log.
+    from gpupool.spawner.placement import Placement, choose_cards, free_state, node_score
+
+    rng = random.Random(3)
+    cards = [Card(f"c{i}", "H200", i, 141) for i in range(48)]
+    shares = [Fraction(1, 4), Fraction(1, 2), Fraction(1), Fraction(1), Fraction(2), Fraction(3), Fraction(4)]
+    placement = Placement(policy, tuple((s, Fraction(1, len(shares))) for s in shares))
+    cluster = R.Cluster(cards, node_cards=4, placement=lambda model: placement, scale=4)
+    nodes, scoring = cluster.nodes["H200"], cluster.scoring["H200"]
+    changes = 0
+    for n in range(2500):
+        share = rng.choice(shares)
+        units = int(share * 4)
+        scores = [(node_score(free_state([cluster.card_free[c.uuid] for c in node]), units, scoring), i)
+                  for i, node in enumerate(nodes)]
+        best = min(((score, i) for score, i in scores if score is not None), default=None)
+        expected = None
+        if best is not None:
+            node = nodes[best[1]]
+            expected = tuple(node[i].uuid for i in choose_cards([cluster.card_free[c.uuid] for c in node], units,
+                                                                 scoring))
+        allocation = cluster.reserve(Request(f"r{n}", "u", "t", "direct", "", "H200", share))
+        assert (allocation.cards if allocation else None) == expected
+        changes += allocation is not None
+        while cluster.held and rng.random() < 0.5:
+            cluster.release(rng.choice(sorted(cluster.held)))
+            changes += 1
+    assert changes > 8 * len(nodes) + 1024  # the log of changed nodes was cut at least once
+
+
 def test_philly_dedicated_against_pooled_on_the_first_jobs():
     work = R.read_philly(PHILLY, limit=3000)
     vcs = R.read_philly_vcs(PHILLY_VC)
