@@ -1,20 +1,30 @@
 """Checkpoints that are either whole or absent: an atomic commit protocol, the newest committed one on resume.
 
-A save writes every file into a temporary folder beside the checkpoints, fsyncs each file, writes the commit
-marker last (the list of files with their sizes), fsyncs the folder, renames it to `step-<step>` and fsyncs
-the parent. A reader trusts only a `step-*` folder whose marker is there and agrees with the files, so a save
-killed at any point (between two files, before the rename) leaves the previous checkpoint as the newest. Old
-checkpoints are removed only after the new one is committed, by renaming them out of sight first, so a
-clean-up interrupted half-way never leaves a half-deleted folder that looks committed.
+A save writes every file into a temporary folder beside the checkpoints, writes the commit marker last (the
+list of files with their sizes), fsyncs every file, the marker and the folder, renames it to `step-<step>` and
+fsyncs the parent. A reader trusts only a `step-*` folder whose marker is there and agrees with the files, so a
+save killed at any point (between two files, in the middle of one, before the rename) leaves the previous
+checkpoint as the newest. Old checkpoints are removed only after the new one is committed, by renaming them out
+of sight first, so a clean-up interrupted half-way never leaves a half-deleted folder that looks committed.
 
-Framework-agnostic: a checkpoint is a mapping of file names to values, each written as raw bytes, by a
-function of yours (`writer(path)`, e.g. a model's `save_pretrained`), or pickled. `gpupool.train.pytorch`
-adds the PyTorch conveniences on top.
+Framework-agnostic: a checkpoint is a mapping of file names to values, each written as raw bytes, into a file
+by a function of yours (`Stream(write)`: `write(file)`, e.g. `torch.save(state, file)`), at a path by a function
+of yours (`writer(path)`, e.g. a model's `save_pretrained`), or pickled. `gpupool.train.pytorch` adds the
+PyTorch conveniences on top.
+
+At the disk's speed: bytes, pickled values and streams go straight into their file (no copy of the state in
+memory; small writes gathered), and the file is handed to the disk as it grows (Linux's `sync_file_range`: the
+write-back of each few MiB starts while the next are serialised); files a `writer(path)` made are handed to the
+disk when it returns. The fsyncs, one per file and folder, are then issued at the same time: the file system
+writes what is left and commits its journal once for all of them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import errno
 import io
 import json
 import os
@@ -42,8 +52,8 @@ _STEP = re.compile(r"step-(\d{12})")
 #: Folders being written (`.tmp-`) or removed (`.trash-`), with the writer's PID: `.tmp-<step>-<pid>-<n>`.
 _WORK = re.compile(r"\.(tmp|trash)-.*-(\d+)-\d+")
 
-#: A value of a checkpoint: bytes are written as they are, a callable is called with the path to write (a
-#: file or a folder of its own), anything else is pickled.
+#: A value of a checkpoint: bytes are written as they are, a `Stream` into the file it is given, another callable
+#: is called with the path to write (a file or a folder of its own), anything else is pickled.
 Writer = Callable[[Path], Any]
 
 
@@ -54,6 +64,104 @@ def step_folder(step: int) -> str:
     return f"step-{step:012d}"
 
 
+class Stream:
+    """A checkpoint value written into a file that `Checkpoints.save` opens: `write(file)` is called with a binary
+    file object (`write`, `flush`, `tell`), e.g. `Stream(lambda f: torch.save(state, f))`. What it writes goes
+    straight to the disk as it comes: no copy of it is kept in memory."""
+
+    __slots__ = ("write",)
+
+    def __init__(self, write: Callable[[Any], Any]):
+        if not callable(write):
+            raise TypeError(f"Stream takes a function that writes into a file, not {write!r}")
+        self.write = write
+
+    def __repr__(self) -> str:
+        return f"Stream({self.write!r})"
+
+
+#: Bytes written to a file between two starts of its write-back (`_start_writeback`).
+WRITEBACK_CHUNK = 16 * 2**20
+_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start write-out of the range's dirty pages, do not wait for it
+
+
+def _load_sync_file_range():
+    """libc's `sync_file_range` (Linux), or None where there is none (elsewhere, the fsync does all the work)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        function = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    function.restype = ctypes.c_int
+    return function
+
+
+_sync_file_range = _load_sync_file_range()
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing `length` bytes of `fd` from `offset` to the disk, and return at once: the
+    disk works while the writer goes on. A hint only: the fsync that follows is the guarantee, so a file system
+    that refuses it (EINVAL, ENOSYS: some network ones) is left to the fsync."""
+    global _sync_file_range
+    if _sync_file_range is None or length <= 0:
+        return
+    if _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
+        if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS, errno.ESPIPE, errno.EOPNOTSUPP):
+            _sync_file_range = None  # not on this file system: stop asking
+
+
+class _StreamedFile(io.FileIO):
+    """A new file, written unbuffered (straight from the caller's memory to the kernel), its write-back started
+    every `WRITEBACK_CHUNK` bytes and, by `finish()`, for the rest."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, "xb")
+        self._written = 0
+        self._handed = 0  # bytes whose write-back has been started
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        total = len(view)
+        while view:  # in chunks (a big tensor's write-back starts before its end); a short write goes on
+            done = super().write(view[:WRITEBACK_CHUNK])
+            view = view[done:]
+            self._written += done
+            if self._written - self._handed >= WRITEBACK_CHUNK:
+                _start_writeback(self.fileno(), self._handed, self._written - self._handed)
+                self._handed = self._written
+        return total
+
+    def finish(self) -> int:
+        """Start the write-back of what is left (the fsync comes later, with the others); the file's size."""
+        if self._written > self._handed:
+            _start_writeback(self.fileno(), self._handed, self._written - self._handed)
+            self._handed = self._written
+        return os.fstat(self.fileno()).st_size
+
+
+#: Small writes (a zip record's header, a small tensor) are gathered up to this many bytes; bigger ones go from
+#: the caller's memory to the file without a copy.
+_BUFFER = 256 * 1024
+
+
+def _write_file(path: Path, value: Any) -> int:
+    """Write a value that is not a `writer(path)` into the new file `path`, all of it handed to the disk (not
+    fsynced yet: `_fsync_all` does, with the rest of the checkpoint); its size."""
+    with _StreamedFile(path) as raw, io.BufferedWriter(raw, buffer_size=_BUFFER) as file:
+        if isinstance(value, Stream):
+            value.write(file)
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            file.write(value)
+        else:
+            pickle.dump(value, file, protocol=pickle.HIGHEST_PROTOCOL)
+        file.flush()
+        return raw.finish()
+
+
 def _fsync_folder(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -62,16 +170,64 @@ def _fsync_folder(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_tree(path: Path) -> None:
-    """fsync every file under `path` and every folder, deepest first (what a writer of yours wrote too)."""
-    for folder, _dirs, files in os.walk(path, topdown=False):
-        for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+def _fsync_tree(path: Path, also: list[Path] = ()) -> None:
+    """fsync every file under `path` and every folder, `path` included (what a writer of yours wrote too), and
+    `also`, once each, all at once."""
+    for entry in sorted(path.iterdir()):
+        _hand_to_disk(entry)
+    _fsync_all(_tree(path) + list(also))
+
+
+def _tree(path: Path) -> list[Path]:
+    """`path` and, when it is a folder, every file and folder in it."""
+    if not path.is_dir():
+        return [path]
+    found = []
+    for folder, _dirs, names in os.walk(path):
+        found.append(Path(folder))
+        found.extend(Path(folder, name) for name in names)
+    return found
+
+
+def _hand_to_disk(path: Path) -> None:
+    """Start the write-back of every file a `writer(path)` made at `path`, while the next value is written."""
+    for entry in _tree(path):
+        if entry.is_file():
+            fd = os.open(entry, os.O_RDONLY)
             try:
-                os.fsync(fd)
+                _start_writeback(fd, 0, os.fstat(fd).st_size)
             finally:
                 os.close(fd)
-        _fsync_folder(Path(folder))
+
+
+def _fsync_all(paths: list[Path]) -> None:
+    """fsync each of `paths` (files and folders) once, all at the same time (a thread each, the first in this
+    one): the file system writes what is left of them together and commits its journal for all of them at once,
+    where one fsync after another would wait for a journal commit each. Raises the first error."""
+    descriptors: list[int] = []
+    errors: list[BaseException] = []
+
+    def fsync(fd: int) -> None:
+        try:
+            os.fsync(fd)
+        except BaseException as error:  # noqa: BLE001 - handed to the caller below
+            errors.append(error)
+
+    try:
+        for path in paths:
+            descriptors.append(os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0)))
+        threads = [threading.Thread(target=fsync, args=(fd,), daemon=True) for fd in descriptors[1:]]
+        for thread in threads:
+            thread.start()
+        if descriptors:
+            fsync(descriptors[0])
+        for thread in threads:
+            thread.join()
+    finally:
+        for fd in descriptors:
+            os.close(fd)
+    if errors:
+        raise errors[0]
 
 
 def _size(path: Path) -> int:
@@ -146,23 +302,26 @@ def commit(folder: Path, step: int, metadata: Mapping[str, Any] | None = None) -
     extra = json.loads(json.dumps(dict(metadata or {})))
     (folder / MARKER).unlink(missing_ok=True)
     files = {p.name: _size(p) for p in sorted(folder.iterdir())}
-    _fsync_tree(folder)
+    _fsync_tree(folder, also=[folder.parent])  # the files, the folder, its entry in the parent: then the marker
     saved_at = _write_marker(folder, step, files, extra)
-    _fsync_folder(folder.parent)
     committed = Checkpoint(step, folder, files, extra, saved_at)
     announce(committed)
     return committed
 
 
-def _write_marker(folder: Path, step: int, files: Mapping[str, int], metadata: Mapping[str, Any]) -> float:
-    """Write `folder`'s commit marker, fsynced with the folder (every file in it must be on disk already)."""
+def _write_marker(folder: Path, step: int, files: Mapping[str, int], metadata: Mapping[str, Any], *,
+                  sync: bool = True) -> float:
+    """Write `folder`'s commit marker; `sync`: fsynced, then the folder (every file in it must be on disk
+    already). Without: the caller fsyncs it before anything trusts it (a folder renamed into place after)."""
     saved_at = time.time()
     with (folder / MARKER).open("w") as f:
         json.dump({"format": FORMAT, "step": step, "files": dict(files), "saved_at": saved_at,
                    "metadata": dict(metadata)}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_folder(folder)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+    if sync:
+        _fsync_folder(folder)
     return saved_at
 
 
@@ -198,7 +357,7 @@ class Checkpoints:
         latest = ckpt.load_latest()                       # None on the first run
         step = latest.step if latest else 0
         ...
-        ckpt.save({"weights.bin": data, "state": {"lr": lr}}, step)   # bytes, pickled, or writer(path)
+        ckpt.save({"weights.bin": data, "state": {"lr": lr}}, step)   # bytes, pickled, Stream(write) or writer(path)
 
     Only one process writes a run's checkpoints (in distributed training, rank 0). `keep`: how many committed
     checkpoints stay (the newest ones); older ones go once a newer one is committed.
@@ -239,12 +398,13 @@ class Checkpoints:
 
     # --- writing ---------------------------------------------------------------------------------------
 
-    def save(self, state: Mapping[str, bytes | Writer | Any], step: int,
+    def save(self, state: Mapping[str, bytes | Stream | Writer | Any], step: int,
              metadata: Mapping[str, Any] | None = None) -> Checkpoint:
         """Commit `state` as checkpoint `step`, atomically; then drop all but the newest `keep`.
 
-        `state` maps file names to values: `bytes` are written as they are, a callable is called with the
-        path to write (it may make a file or a folder there), anything else is pickled. `metadata`: JSON-able
+        `state` maps file names to values: `bytes` are written as they are, a `Stream(write)` is called with
+        the file to write into, another callable with the path to write (it may make a file or a folder there),
+        anything else is pickled. `metadata`: JSON-able
         facts kept in the marker (`Checkpoint.metadata`). Saving a step that is already committed (a resumed
         run redoing steps) replaces it.
         """
@@ -261,19 +421,18 @@ class Checkpoints:
             files = {}
             for name, value in state.items():
                 path = work / name
-                if isinstance(value, (bytes, bytearray, memoryview)):
-                    path.write_bytes(value)
-                elif callable(value):
+                if callable(value) and not isinstance(value, Stream):
                     value(path)
                     if not path.exists():
                         raise ValueError(f"the writer of {name!r} wrote nothing at {path}")
-                else:
-                    buffer = io.BytesIO()
-                    pickle.dump(value, buffer, protocol=pickle.HIGHEST_PROTOCOL)
-                    path.write_bytes(buffer.getvalue())
-                files[name] = _size(path)
-            _fsync_tree(work)
-            saved_at = _write_marker(work, step, files, json.loads(extra))  # the commit: after every file
+                    files[name] = _size(path)
+                    _hand_to_disk(path)
+                else:  # bytes, a stream, or pickled: straight into the file, handed to the disk as it grows
+                    files[name] = _write_file(path, value)
+            saved_at = _write_marker(work, step, files, json.loads(extra), sync=False)
+            # Every file (the marker too) and folder on disk, one fsync each, all at once, before the rename that
+            # makes the folder a checkpoint: until then nothing in it is trusted, so their order does not matter.
+            _fsync_all(_tree(work))
             if final.exists():  # the same step again: the old copy leaves first (out of sight), then the new comes
                 old = self._work_folder("trash", step)
                 final.rename(old)

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from gpupool.train.checkpoints import Checkpoint, Checkpoints, should_stop
+from gpupool.train.checkpoints import Checkpoint, Checkpoints, Stream, should_stop
 
 
 def rng_states() -> dict[str, Any]:
@@ -47,8 +47,9 @@ def set_rng_states(states: Mapping[str, Any]) -> None:
         numpy.random.set_state(states["numpy"])
 
 
-def _torch_writer(value: Any):
-    return lambda path: torch.save(value, path)
+def _torch_writer(value: Any) -> Stream:
+    # Into the file Checkpoints opens: straight from the tensors to the disk, its write-back under way as it grows.
+    return Stream(lambda file: torch.save(value, file))
 
 
 class TorchCheckpoints:

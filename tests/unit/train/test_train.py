@@ -128,6 +128,85 @@ def test_the_folder_comes_from_the_jobs_environment_or_is_asked_for(tmp_path, mo
         Checkpoints(tmp_path, keep=0, handle_sigterm=False)
 
 
+# --- at the disk's speed: streamed, handed to the disk as it grows, one fsync per file ----------------------
+
+@pytest.mark.parametrize("writeback", ["sync_file_range", "refused", "none"])
+def test_values_go_straight_into_their_files_handed_to_the_disk_as_they_grow_each_fsynced_once(
+        tmp_path, monkeypatch, writeback):
+    from gpupool.train import checkpoints
+    from gpupool.train.checkpoints import Stream
+
+    if writeback == "sync_file_range" and sys.platform.startswith("linux"):
+        assert checkpoints._sync_file_range is not None  # libc's, found
+    if writeback == "refused":  # a file system that refuses the hint (some network ones): left to the fsync
+        def refusing(fd, offset, length, flags):
+            import ctypes, errno
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+        monkeypatch.setattr(checkpoints, "_sync_file_range", refusing)
+    elif writeback == "none":  # not Linux
+        monkeypatch.setattr(checkpoints, "_sync_file_range", None)
+    monkeypatch.setattr(checkpoints, "WRITEBACK_CHUNK", 4096)
+    started, fsynced = [], []
+    real_start, real_fsync = checkpoints._start_writeback, os.fsync
+
+    def start(fd, offset, length):
+        started.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length))
+        real_start(fd, offset, length)
+
+    def fsync(fd):
+        fsynced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(checkpoints, "_start_writeback", start)
+    monkeypatch.setattr(os, "fsync", fsync)
+    weights = {"w": torch.arange(30_000, dtype=torch.float32), "v": -torch.arange(20_000, dtype=torch.float32)}
+    state = {"model.pt": Stream(lambda file: torch.save(weights, file)), "raw": bytes(range(256)) * 100,
+             "pickled": list(range(20_000)),
+             "export": lambda path: (path.mkdir(), (path / "config.json").write_text("{}"))}
+    ckpt = Checkpoints(tmp_path, handle_sigterm=False)
+    saved = ckpt.save(state, 3)
+
+    loaded = torch.load(saved.file("model.pt"), weights_only=True)
+    assert torch.equal(loaded["w"], weights["w"]) and torch.equal(loaded["v"], weights["v"])
+    assert saved.read_bytes("raw") == bytes(range(256)) * 100 and saved.unpickle("pickled") == list(range(20_000))
+    assert saved.files["model.pt"] == saved.file("model.pt").stat().st_size > 200_000
+    assert ckpt.load_latest() == saved
+    assert (checkpoints._sync_file_range is None) == (writeback != "sync_file_range")  # a refusal: not asked again
+    # Each streamed file was handed to the disk in order, chunk after chunk, while it was written; the writer's
+    # file after it was made (whole).
+    for name in ("model.pt", "raw", "pickled"):
+        ranges = [(offset, length) for path, offset, length in started if path.endswith(f"/{name}")]
+        assert len(ranges) >= 2 and all(length >= 4096 for _, length in ranges[:-1]) and ranges[-1][1] > 0
+        assert [offset for offset, _ in ranges] == [0] + [o + n for o, n in ranges[:-1]]
+        assert sum(length for _, length in ranges) == saved.files[name]  # all of it, the rest at its end
+    assert [length for path, _o, length in started if path.endswith("/export/config.json")] == [2]
+    # One fsync per file and per folder: the files, the writer's folder, the marker, the checkpoint's folder
+    # (before its rename) and the run's folder (after it).
+    (work,) = [Path(path) for path in fsynced if Path(path).name.startswith(f".tmp-{step_folder(3)}-")]
+    assert sorted(fsynced) == sorted([str(work / "model.pt"), str(work / "raw"), str(work / "pickled"),
+                                      str(work / "export" / "config.json"), str(work / "export"),
+                                      str(work / MARKER), str(work), str(tmp_path)])
+
+
+def test_a_stream_that_fails_half_way_leaves_the_last_checkpoint_and_nothing_else(tmp_path):
+    from gpupool.train.checkpoints import Stream
+
+    ckpt = Checkpoints(tmp_path, handle_sigterm=False)
+    ckpt.save({"w": Stream(lambda file: file.write(b"one"))}, 1)
+
+    def half(file):
+        file.write(b"x" * 100_000)
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save({"w": Stream(half)}, 2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_folder(1)]
+    assert ckpt.load_latest().read_bytes("w") == b"one"
+    with pytest.raises(TypeError, match="Stream takes a function that writes into a file, not b'w'"):
+        Stream(b"w")
+
+
 # --- killed for real ---------------------------------------------------------------------------------------
 
 def test_a_save_killed_between_two_files_is_skipped_and_its_leftovers_cleaned(tmp_path):
@@ -148,6 +227,31 @@ def test_a_save_killed_between_two_files_is_skipped_and_its_leftovers_cleaned(tm
     ckpt = Checkpoints(tmp_path, keep=1, handle_sigterm=False)  # a new run: the dead writer's folder goes
     latest = ckpt.load_latest()
     assert (latest.step, latest.read_bytes("model"), latest.read_bytes("optimizer")) == (1, b"m1", b"o1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_folder(1)]
+
+
+def test_a_save_killed_in_the_middle_of_a_streamed_file_is_skipped_and_its_leftovers_cleaned(tmp_path):
+    # SIGKILL while a Stream is writing, its write-back under way: a part of the file is on disk, no marker.
+    process = run_python("""
+        import os, signal, sys
+        from gpupool.train import Checkpoints, checkpoints
+        checkpoints.WRITEBACK_CHUNK = 4096
+        ckpt = Checkpoints(sys.argv[1], keep=1)
+        ckpt.save({"model": b"m1"}, 1)
+        def half(file):
+            for _ in range(5):
+                file.write(b"m2" * 100_000)
+            os.kill(os.getpid(), signal.SIGKILL)
+        ckpt.save({"model": checkpoints.Stream(half)}, 2)
+    """, str(tmp_path))
+    process.communicate(timeout=120)
+    assert process.returncode == -signal.SIGKILL
+    (leftover,) = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    written = (leftover / "model").read_bytes()  # what reached the file (the last writes may have been buffered)
+    assert 0 < len(written) <= 1_000_000 and written == (b"m2" * 500_000)[:len(written)]
+    assert not (leftover / MARKER).exists()
+    ckpt = Checkpoints(tmp_path, keep=1, handle_sigterm=False)
+    assert (ckpt.load_latest().step, ckpt.load_latest().read_bytes("model")) == (1, b"m1")
     assert sorted(p.name for p in tmp_path.iterdir()) == [step_folder(1)]
 
 
