@@ -24,13 +24,24 @@ and from then on it is billed. One that ends without running (a failed start, a 
 `reserved` and never costs anything. The Kubernetes spawner admits through it (a pod admitted by gpupool and
 waiting in Volcano's queue is held, not billed); the embedded pool decides against its cards and records the
 holding it placed through `reserve()`, under the same rules.
+
+Decisions that arrive together share one transaction (**group commit**): the first caller to find the door free
+leads, takes every request waiting (up to `MAX_BATCH`), locks their teams (in name order, so two processes never
+deadlock), decides them one after another in arrival order — each seeing the holdings and usage the ones before it
+left — commits once and wakes each caller with its own answer; whoever arrived meanwhile is led by the next
+leader. One fsync'd commit per batch instead of one per decision; the answers are the ones deciding the same
+requests one at a time, in that order, would give (tests/unit/accounting/test_admission_group_commit.py checks
+it on both databases). A batch that fails (a request with bad facts, a database error) is rolled back whole and
+its requests decided again one per transaction, so each caller gets the answer or the error it would have had
+alone.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from enum import StrEnum
@@ -48,6 +59,7 @@ from gpupool.hub.accounting.admission import (
     Decision,
     Holdings,
     Reason,
+    Resolved,
     Usage,
     decide,
     resolve,
@@ -183,6 +195,61 @@ class AdmissionResult:
 
 #: Room left in the ledger's 255-character key for a continuation suffix (`~2`).
 MAX_RUN_KEY = 240
+#: The most admission requests decided in one transaction (group commit); more wait for the next batch.
+MAX_BATCH = 256
+
+
+@dataclass(eq=False)
+class _Asked:
+    """One caller's admission request waiting at the door, and its answer once decided."""
+
+    policy: Policy
+    request: AdmissionRequest
+    resolved: Resolved
+    key: str
+    period: str
+    woken: threading.Event = field(default_factory=threading.Event)
+    answered: bool = False
+    result: AdmissionResult | None = None
+    error: BaseException | None = None
+
+    def answer(self, result: AdmissionResult | None = None, error: BaseException | None = None) -> None:
+        self.result, self.error, self.answered = result, error, True
+        self.woken.set()
+
+
+class _TeamView:
+    """One team's holdings and budget usage inside a batch: read once under its lock, then kept up to date with
+    each holding the batch opens (in memory, by the same rules as `Ledger._sum`)."""
+
+    def __init__(self, team: str, open_rows: Iterable[Interval]):
+        held = Holdings.of(open_rows)
+        self.team = team
+        self.held = (dict(held.team), dict(held.team_model), dict(held.team_user))
+        self.usage: dict[tuple[str, int], Usage] = {}  # (period, now in seconds) → usage read for it
+
+    def holdings(self) -> Holdings:
+        team, team_model, team_user = self.held
+        return Holdings(dict(team), dict(team_model), dict(team_user))
+
+    def opened(self, user: str, model: str, share: Fraction, start_s: int, reserve_s: int) -> None:
+        """A reserved holding opened at `start_s` (whole seconds) for `reserve_s`: held now, and counted against
+        budgets for its reservation (clipped to each period, as `Ledger._sum(reserving=True)` counts it)."""
+        team, team_model, team_user = self.held
+        team[self.team] = team.get(self.team, Fraction(0)) + share
+        team_model[self.team, model] = team_model.get((self.team, model), Fraction(0)) + share
+        team_user[self.team, user] = team_user.get((self.team, user), Fraction(0)) + share
+        until = start_s + reserve_s
+        for (period, _now_s), usage in self.usage.items():
+            period_start, period_end = (_seconds(t, "period") for t in periods.period_bounds(period))
+            if not (start_s < period_end and until > period_start and until > start_s):
+                continue
+            seconds = min(until, period_end) - max(start_s, period_start)
+            hours = Fraction(seconds * share.numerator, share.denominator * periods.SECONDS_PER_HOUR)
+            per_team, per_model = usage.team, usage.team_model
+            assert isinstance(per_team, dict) and isinstance(per_model, dict)
+            per_team[self.team] = per_team.get(self.team, Fraction(0)) + hours
+            per_model[self.team, model] = per_model.get((self.team, model), Fraction(0)) + hours
 
 
 def run_key(user: str, server: str, started: datetime) -> str:
@@ -307,6 +374,11 @@ class Ledger:
                 )
         self._writer = db.writer(self.engine)
         self._insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
+        #: False: every admission decided in its own transaction (the path before group commit; for benchmarks).
+        self.group_commit = True
+        self._door = threading.Lock()  # guards the two below
+        self._waiting: list[_Asked] = []
+        self._leading = False  # a caller is deciding a batch (the others wait to be answered or to lead next)
 
     def dispose(self) -> None:
         self.engine.dispose()
@@ -563,35 +635,130 @@ class Ledger:
         so far (open intervals counting at least their reservation), both read under the team's admission
         lock. Asking again with the key of an open holding changes nothing and answers `admit`. The alerts in
         the result are the ones not sent before (claimed in the same transaction); send them.
+
+        Blocking; safe from any number of threads at once: requests that arrive together are decided in one
+        transaction (group commit, see the module's description), each answered as if decided alone in turn.
         """
         resolved = resolve(policy, request)
         key = _text(key, "key", 255)
         period = periods.period_of(request.at)
-        with self._writer.begin() as connection:
-            connection.execute(self._insert(LOCKS).values(team=resolved.team).on_conflict_do_nothing())
+        asked = _Asked(policy, request, resolved, key, period)
+        if not self.group_commit:
+            self._decide_alone(asked)
+        else:
+            with self._door:
+                self._waiting.append(asked)
+                lead = not self._leading
+                self._leading = True
+            while lead or not asked.answered:
+                if not lead:
+                    asked.woken.wait()
+                    asked.woken.clear()
+                    if asked.answered:
+                        break
+                    # Woken unanswered: the last leader passed the door on to us, the first still waiting.
+                self._lead()
+                lead = False
+        if asked.error is not None:
+            raise asked.error
+        assert asked.result is not None
+        return asked.result
+
+    def _lead(self) -> None:
+        """Decide one batch of the waiting requests, then pass the door on to the first still waiting, if any."""
+        with self._door:
+            batch, self._waiting = self._waiting[:MAX_BATCH], self._waiting[MAX_BATCH:]
+        try:
+            self._decide_batch(batch)
+        finally:
+            for asked in batch:
+                if not asked.answered:  # only if deciding itself broke (say, KeyboardInterrupt in the leader)
+                    asked.answer(error=RuntimeError("the admission batch was interrupted before this request "
+                                                    "was decided; nothing was written for it"))
+            with self._door:
+                if self._waiting:
+                    self._waiting[0].woken.set()  # it leads next (woken, not answered)
+                else:
+                    self._leading = False
+
+    def _decide_batch(self, batch: list[_Asked]) -> None:
+        """Decide `batch` in one transaction; if it fails, roll it back and decide each request alone."""
+        if len(batch) == 1:
+            self._decide_alone(batch[0])
+            return
+        try:
+            with self._writer.begin() as connection:
+                results = self._decide_together(connection, batch)
+        except Exception:  # noqa: BLE001 - nothing of the batch was written: each is decided again on its own
+            for asked in batch:
+                self._decide_alone(asked)
+            return
+        for asked, result in zip(batch, results, strict=True):
+            asked.answer(result)
+
+    def _decide_alone(self, asked: _Asked) -> None:
+        try:
+            with self._writer.begin() as connection:
+                self._lock_teams(connection, [asked.resolved.team])
+                result = self._decide_together(connection, [asked])[0]
+        except Exception as error:  # noqa: BLE001 - the caller's to handle, raised in its thread
+            asked.answer(error=error)
+        else:
+            asked.answer(result)
+
+    def _lock_teams(self, connection: sa.Connection, teams: Iterable[str]) -> None:
+        # In name order: two processes locking the same teams never wait for each other in a cycle.
+        for team in sorted(set(teams)):
+            connection.execute(self._insert(LOCKS).values(team=team).on_conflict_do_nothing())
             # SQLite has no row locks (SQLAlchemy leaves FOR UPDATE out): BEGIN IMMEDIATE serialised us.
-            connection.execute(sa.select(LOCKS.c.team).where(LOCKS.c.team == resolved.team).with_for_update())
-            existing = connection.execute(sa.select(INTERVALS).where(INTERVALS.c.key == key)).first()
+            connection.execute(sa.select(LOCKS.c.team).where(LOCKS.c.team == team).with_for_update())
+
+    def _decide_together(self, connection: sa.Connection, batch: list[_Asked]) -> list[AdmissionResult]:
+        """Decide `batch` in order inside `connection`'s transaction; raises on the first request that fails."""
+        if len(batch) > 1:
+            self._lock_teams(connection, (asked.resolved.team for asked in batch))
+        c = INTERVALS.c
+        keys = sorted({asked.key for asked in batch})
+        known: dict[str, Any] = {row.key: row for row in connection.execute(
+            sa.select(c.key, c.end_at).where(c.key.in_(keys)))}
+        views: dict[str, _TeamView] = {}
+        results = []
+        for asked in batch:
+            resolved, request, key, period = asked.resolved, asked.request, asked.key, asked.period
+            existing = known.get(key)
             if existing is not None:
                 if existing.end_at is not None:
                     raise ValueError(f"key {key!r} names an interval that has ended; use a new key")
                 again = Decision("admit", f"already admitted: interval {key!r} is open", resolved.priority,
                                  resolved.preemptible, (), period, code=Reason.ALREADY_ADMITTED)
-                return AdmissionResult(again, False, ())
-            team_open = connection.execute(
-                sa.select(INTERVALS).where(INTERVALS.c.team == resolved.team, INTERVALS.c.end_at.is_(None))
-            ).all()
-            holdings = Holdings.of(_interval(row) for row in team_open)
-            usage = self._usage(connection, period, request.at, team=resolved.team)
-            decision = decide(policy, request, holdings, usage)
+                results.append(AdmissionResult(again, False, ()))
+                continue
+            view = views.get(resolved.team)
+            if view is None:
+                view = views[resolved.team] = _TeamView(resolved.team, (_interval(row) for row in connection.execute(
+                    sa.select(INTERVALS).where(c.team == resolved.team, c.end_at.is_(None)))))
+            now_s = _seconds(request.at, "now")
+            usage = view.usage.get((period, now_s))
+            if usage is None:
+                usage = view.usage[period, now_s] = self._usage(connection, period, request.at, team=resolved.team)
+            decision = decide(asked.policy, request, view.holdings(),
+                              Usage(usage.period, dict(usage.team), dict(usage.team_model)))
             opened = False
             if decision.admitted and resolved.model is not None and resolved.share > 0:
                 values = self._interval_values(key, resolved.user, resolved.team, resolved.profile,
                                                resolved.model, resolved.share, request.at, request.reserve)
                 values.update(run=_text(key, "key", MAX_RUN_KEY), state=State.RESERVED.value)
                 opened = self._open(connection, values) is OpenResult.OPENED
+                if opened:
+                    view.opened(resolved.user, resolved.model, Fraction(values["share_num"], values["share_den"]),
+                                now_s, values["reserve_s"])
+                    known[key] = _Values({"key": key, "end_at": None})
+                else:  # written by another process meanwhile (it takes no admission lock): read everything again
+                    views.pop(resolved.team, None)
+                    known[key] = connection.execute(sa.select(c.key, c.end_at).where(c.key == key)).one()
             alerts = self._claim(connection, decision.alerts, request.at)
-        return AdmissionResult(decision, opened, tuple(alerts))
+            results.append(AdmissionResult(decision, opened, tuple(alerts)))
+        return results
 
     # --- reading ---------------------------------------------------------------------------------------------
 
