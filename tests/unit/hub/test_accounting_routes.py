@@ -84,21 +84,14 @@ class Loop:
 
 
 class Served:
-    """The service's application and the hub's user API, each on a free port and an event loop of its own (the
-    service asks the hub synchronously, from a thread of `HubAuth`'s, as it does behind the real hub)."""
+    """The service's application on a free port and an event loop of its own. It asks the hub's user API
+    (`hub_user_api`, on another loop) synchronously, from a thread of `HubAuth`'s, as behind the real hub."""
 
     def __init__(self, folder: Path, ledger_url: str):
         self.policies = folder / "policies"
         self.policies.mkdir(parents=True)
         (self.policies / "policy.yaml").write_text(POLICY)
         self.ledger = Ledger(ledger_url)
-        self.hub = Loop("hub-user-api")
-        hub_port = self.hub.listen(web.Application([(r"/hub/api/user", HubUserAPI)]))
-        HubOAuth.clear_instance()
-        HubOAuth.instance(
-            api_url=f"http://127.0.0.1:{hub_port}/hub/api", api_token="service-token", base_url=PREFIX,
-            hub_prefix="/hub/", oauth_client_id="service-accounting", access_scopes={ACCESS},
-            oauth_redirect_uri=f"http://127.0.0.1{PREFIX}oauth_callback")
         self.service = Loop("accounting-service")
         app = make_app(self.ledger, str(self.policies), PREFIX, str(folder / "teams"))
         self.url = f"http://127.0.0.1:{self.service.listen(app)}"
@@ -110,9 +103,7 @@ class Served:
 
     def close(self) -> None:
         self.service.close()
-        self.hub.close()
         self.ledger.dispose()
-        HubOAuth.clear_instance()
 
 
 def seed(ledger: Ledger) -> datetime:
@@ -144,8 +135,23 @@ def _served(folder: Path, ledger_url: str):
     return served
 
 
+@pytest.fixture(scope="module")
+def hub_user_api():
+    """The hub's user API on a loop of its own, and the `HubOAuth` client every service of this module uses."""
+    hub = Loop("hub-user-api")
+    port = hub.listen(web.Application([(r"/hub/api/user", HubUserAPI)]))
+    HubOAuth.clear_instance()
+    HubOAuth.instance(
+        api_url=f"http://127.0.0.1:{port}/hub/api", api_token="service-token", base_url=PREFIX, hub_prefix="/hub/",
+        oauth_client_id="service-accounting", access_scopes={ACCESS},
+        oauth_redirect_uri=f"http://127.0.0.1{PREFIX}oauth_callback")
+    yield
+    HubOAuth.clear_instance()
+    hub.close()
+
+
 @pytest.fixture(scope="module", params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgresql)])
-def service(request, tmp_path_factory):
+def service(request, tmp_path_factory, hub_user_api):
     """The seeded service on each database: for what reads the ledger's figures."""
     folder = tmp_path_factory.mktemp(f"accounting-{request.param}")
     url = (request.getfixturevalue("postgres_server").create_database("accounting")
@@ -156,7 +162,7 @@ def service(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def sqlite_service(tmp_path_factory):
+def sqlite_service(tmp_path_factory, hub_user_api):
     """The seeded service on SQLite: for what only routes or renders."""
     folder = tmp_path_factory.mktemp("accounting-routes")
     served = _served(folder, f"sqlite:///{folder / 'ledger.sqlite'}")
