@@ -126,8 +126,9 @@ def wait_job(hub: Hub, token: str, job_id: str, until, what: str, timeout: float
 def kill_at_the_drill_and_wait(hub: Hub, token: str, job_id: str, folder: Path) -> dict:
     """Wait for the job's run to hold at its drill checkpoint, SIGKILL its training process (a crash, not the
     platform's stop), and wait for the job's end; the job as it ended."""
-    held = wait_job(hub, token, job_id, lambda j: "holding here for a resume drill" in
-                    job_api(hub, token, job_id, "/log").text or j["state"] in ENDED, "to its drill checkpoint", 1500)
+    # The job's last lines come with it (`log_tail`): no second request for the whole log at every poll.
+    held = wait_job(hub, token, job_id, lambda j: "holding here for a resume drill" in j["log_tail"]
+                    or j["state"] in ENDED, "to its drill checkpoint", 1500)
     assert held["state"] == "running", held
     found = [p for p in psutil.process_iter(["cmdline", "cwd"])
              if (p.info["cmdline"] or [])[-1:] == ["train.py"] and p.info["cwd"] == str(folder)
@@ -151,11 +152,16 @@ def test_the_first_fine_tune_of_the_guide_on_the_default_policies(hub, tmp_path)
     hub.wait_ready("alice", timeout=240)
     terminal = Terminal(hub.url, "alice", token, timeout=300)
     try:
-        # The server, its kernel and its terminal's tools are the image's.
-        printed = hub.run_in_kernel("alice", "import sys, torch, transformers, peft, os\n"
-                                             "print(sys.prefix, os.environ['GPUPOOL_IMAGE'], peft.__version__)")
-        prefix, chosen, _ = printed.split()
+        # The server, its kernel and its terminal's tools are the image's: the kernel finds torch, transformers
+        # and peft there (found, not imported: their imports took 30 s of a busy machine here, and the job below
+        # imports them from the same environment, which kill_at_the_drill_and_wait checks in its memory maps).
+        printed = hub.run_in_kernel("alice", "import sys, os, importlib.util as u\n"
+                                             "print(sys.prefix, os.environ['GPUPOOL_IMAGE'], *(u.find_spec(m).origin\n"
+                                             "      for m in ('torch', 'transformers', 'peft')))")
+        prefix, chosen, *packages = printed.split()
         assert os.path.realpath(prefix) == finetune_environment() and chosen == image
+        assert len(packages) == 3 and all(os.path.realpath(p).startswith(finetune_environment() + "/")
+                                          for p in packages), packages
         assert terminal.check("command -v python").splitlines()[-1] == f"{prefix}/bin/python"
 
         # 2.-4. The guide's commands as it gives them, in its order.
