@@ -425,10 +425,10 @@ def apply_config(c, settings: Settings) -> None:
 
     services += [
         # Usage, budgets, bills, metrics (least-privilege role).
-        platform_service(ACCOUNTING_SERVICE, settings.accounting_port, "gpupool.hub.accounting.service",
+        platform_service(ACCOUNTING_SERVICE, settings.accounting_port, "gpupool.hub.services.accounting_service",
                          GPUPOOL_TEAM_ROOT=settings.team_root),
         # Training jobs' API and page (no hub scopes); the hub process runs the jobs themselves.
-        platform_service(JOBS_SERVICE, settings.jobs_port, "gpupool.hub.accounting.jobs_service",
+        platform_service(JOBS_SERVICE, settings.jobs_port, "gpupool.hub.services.jobs_service",
                          GPUPOOL_TEAM_ROOT=settings.team_root),
         # The idle culler: warns, then stops, servers whose GPU share sits idle (hub/culler.py).
         platform_service(CULLER_SERVICE, settings.culler_port, "gpupool.hub.culler"),

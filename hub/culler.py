@@ -50,7 +50,7 @@ from gpupool.hub.accounting.culls import IdleServer, IdleStore
 from gpupool.hub.accounting.idleness import Action, IdleRecord, KeepRefused, Signals, active, decide, keep
 from gpupool.hub.accounting.jobs import JobStore
 from gpupool.hub.accounting.ledger import Ledger
-from gpupool.hub.accounting.service import MAX_BODY_BYTES, AccountingHandler, HealthHandler, NotFoundHandler, page_templates
+from gpupool.hub.services.accounting_service import MAX_BODY_BYTES, AccountingHandler, HealthHandler, NotFoundHandler, page_templates
 from gpupool.hub.idle_signals import CPUMeter, NVMLGPU, PodGPUMetrics, ProcessTable, ProcessTree
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults
 from gpupool.policies.resources import profile_share

@@ -10,7 +10,7 @@ import sys
 
 from traitlets.config import Application
 
-from gpupool.hub.accounting.jobs_service import RUN_AS_ENV
+from gpupool.hub.services.jobs_service import RUN_AS_ENV
 from gpupool.hub.app import GPUPoolHub
 from gpupool.hub.config import Settings, apply_config, shared_as_user_warning, workstation_problem
 from gpupool.policies import load_policy

@@ -62,7 +62,7 @@ def hub(request, tmp_path):
 
 def _is_service_of(process: psutil.Process, hub: Hub) -> bool:
     try:
-        return ("gpupool.hub.accounting.service" in " ".join(process.cmdline())
+        return ("gpupool.hub.services.accounting_service" in " ".join(process.cmdline())
                 and "gpupool.hub.lifecycle" not in process.cmdline()  # its supervisor
                 and process.environ().get("GPUPOOL_STATE_DIR") == str(hub.state))
     except (psutil.NoSuchProcess, psutil.AccessDenied):

@@ -572,7 +572,7 @@ def test_a_teammate_swapping_the_checkpoints_folder_meanwhile_gets_no_folder_mad
 @pytest.mark.skipif(os.geteuid() != 0, reason="checks a folder as another account, which needs root")
 def test_a_workdir_refusal_tells_a_user_nothing_of_what_they_cannot_see():
     # The jobs service runs as root: its refusal says only what the job's own account could find out.
-    from gpupool.hub.accounting.jobs_service import workdir_problem
+    from gpupool.hub.services.jobs_service import workdir_problem
 
     with tempfile.TemporaryDirectory() as tmp:  # pytest's own folders are closed to other accounts
         os.chmod(tmp, 0o755)

@@ -238,7 +238,7 @@ def test_after_a_hub_crash_gpupool_up_serves_fresh_services_and_gpupool_down_sto
         assert before["accounting"]["version"] and before["mlflow"]["mlflow"]
         ports = {hub.port + 3, hub.port + 4}  # the accounting service's and MLflow's
         old = listening_on(ports)
-        assert {"gpupool.hub.accounting.service", "uvicorn"} <= {
+        assert {"gpupool.hub.services.accounting_service", "uvicorn"} <= {
             part for p in old for part in p.cmdline()}
         # MLflow at rest is one process, its uvicorn, beside its supervisor (`mlflow server` waiting for a uvicorn
         # child held 232 MiB for nothing: issue 33)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpupool.hub.accounting.service import AccountingService, config_reference
+from gpupool.hub.services.accounting_service import AccountingService, config_reference
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "accounting-service.md"
@@ -83,7 +83,7 @@ def test_a_config_file_and_the_command_line_over_it(clean, tmp_path):
 
 
 def test_generate_config_prints_every_setting(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "gpupool.hub.accounting.service", "--generate-config"],
+    done = subprocess.run([sys.executable, "-m", "gpupool.hub.services.accounting_service", "--generate-config"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     for name in AccountingService.class_own_traits(config=True):
@@ -98,4 +98,4 @@ def test_the_configuration_reference_in_the_docs_is_current():
     text = DOC.read_text()
     start = text.index("<!-- accounting-reference:start")
     body = text[text.index("\n", start) + 1: text.index("<!-- accounting-reference:end -->")]
-    assert body == config_reference() + "\n", "regenerate with gpupool.hub.accounting.service.config_reference()"
+    assert body == config_reference() + "\n", "regenerate with gpupool.hub.services.accounting_service.config_reference()"

@@ -28,7 +28,7 @@ from tornado.testing import bind_unused_port
 
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.periods import period_of, utcnow
-from gpupool.hub.accounting.service import make_app
+from gpupool.hub.services.accounting_service import make_app
 
 POLICY = """
 models:

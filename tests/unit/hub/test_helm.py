@@ -162,7 +162,7 @@ def test_the_jupyterhub_wiring_points_at_what_the_chart_creates():
     }
     assert env["JUPYTERHUB_SERVICE_PREFIX"]["value"] == "/services/accounting/"
     assert env["JUPYTERHUB_SERVICE_NAME"]["value"] == "accounting"
-    assert container["command"] == ["python", "-m", "gpupool.hub.accounting.service"]
+    assert container["command"] == ["python", "-m", "gpupool.hub.services.accounting_service"]
     assert env["GPUPOOL_POLICIES"]["value"] == hub["extraEnv"]["GPUPOOL_POLICIES"]
     assert env["GPUPOOL_LEDGER_URL"]["value"] == "postgresql+psycopg://gpupool@postgres.db.svc:5432/gpupool?sslmode=prefer"
     # The password comes from the Secret, never from values.
@@ -182,7 +182,7 @@ def test_the_jupyterhub_wiring_points_at_what_the_chart_creates():
     assert hub["services"]["jobs"]["url"] == \
         f"http://pool-jobs:{rendered[('Service', NAMESPACE, 'pool-jobs')]['spec']['ports'][0]['port']}"
     jobs_env = {e["name"]: e.get("value") for e in jobs["containers"][0]["env"]}
-    assert jobs["containers"][0]["command"] == ["python", "-m", "gpupool.hub.accounting.jobs_service"]
+    assert jobs["containers"][0]["command"] == ["python", "-m", "gpupool.hub.services.jobs_service"]
     assert jobs_env["GPUPOOL_JOBS_MODE"] == "kubernetes" and jobs_env["JUPYTERHUB_SERVICE_PREFIX"] == "/services/jobs/"
     assert jobs["automountServiceAccountToken"] is False  # it writes the ledger's jobs table; the hub talks to Kubernetes
     # Optional parts stay out unless asked for.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from traitlets.config import Config
 
-from gpupool.hub.accounting import service
+from gpupool.hub.services import accounting_service as service
 from gpupool.hub.config import Settings, apply_config
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults
 from gpupool.spawner import volcano
@@ -78,7 +78,7 @@ def test_the_hub_the_spawner_and_the_services_fall_back_alike(monkeypatch, tmp_p
 
 
 def test_the_accounting_service_falls_back_to_the_same_places(monkeypatch, tmp_path):
-    """`python -m gpupool.hub.accounting.service` with no settings: the platform's ledger and team folders."""
+    """`python -m gpupool.hub.services.accounting_service` with no settings: the platform's ledger and team folders."""
     for name in ("GPUPOOL_STATE_DIR", "GPUPOOL_LEDGER_URL", "GPUPOOL_TEAM_ROOT"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)

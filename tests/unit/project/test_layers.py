@@ -36,11 +36,6 @@ LAYERS = {
     "gpupool.spawner": 2,
     "gpupool.hub": 3,
     "gpupool.mlflow": 3,
-    # The accounting *service* is a hub service (its web pages and API, an edge that asks the hub, NVML and the
-    # dataset registries); it lives beside the accounting core it serves, under the name the chart runs.
-    "gpupool.hub.accounting.service": 3,
-    # So is the jobs service (its pages and API over the jobs table, the pages' frame of the accounting service).
-    "gpupool.hub.accounting.jobs_service": 3,
 }
 LAYER_NAMES = {-1: "train/images", 0: "policies", 1: "hub/accounting", 2: "spawner", 3: "hub/mlflow"}
 

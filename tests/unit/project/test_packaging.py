@@ -41,7 +41,7 @@ def test_wheel_holds_every_subpackage_and_policy_file(wheel):
     templates = [*(ROOT / "hub" / "templates").glob("*.html"), *(ROOT / "hub" / "accounting" / "templates").glob("*.html")]
     for template in templates:
         assert f"gpupool/{template.relative_to(ROOT)}" in names
-    assert "gpupool/hub/templates/home.html" in names and "gpupool/hub/accounting/templates/usage.html" in names
+    assert "gpupool/hub/templates/home.html" in names and "gpupool/hub/services/templates/usage.html" in names
     assert not any(n.startswith(("mlflow/", "tests/", "hub/", "policies/")) for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = wheel.read(entry_points).decode()

@@ -33,7 +33,7 @@ from gpupool.hub.accounting.jobs import (
 )
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.reports import job_usage, money
-from gpupool.hub.accounting.service import (
+from gpupool.hub.services.accounting_service import (
     MAX_BODY_BYTES, AccountingHandler, HealthHandler, NotFoundHandler, page_templates,
 )
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults
@@ -408,7 +408,7 @@ def _env(name: str, fallback: str) -> str:
 
 
 def main(argv=None) -> None:
-    """`python -m gpupool.hub.accounting.jobs_service`: configured from the environment the hub gives it."""
+    """`python -m gpupool.hub.services.jobs_service`: configured from the environment the hub gives it."""
     logging.basicConfig(level=logging.INFO, format="[%(levelname)s %(asctime)s jobs] %(message)s")
     state_dir = _env("GPUPOOL_STATE_DIR", str(defaults.state_dir()))
     ledger = Ledger(_env("GPUPOOL_LEDGER_URL", defaults.ledger_url(state_dir)))

@@ -1,6 +1,6 @@
 """`gpupool-accounting`: the hub-managed service that shows usage, budgets and bills, and exports metrics.
 
-Runs under JupyterHub at `/services/accounting/` (`python -m gpupool.hub.accounting.service`), authenticated
+Runs under JupyterHub at `/services/accounting/` (`python -m gpupool.hub.services.accounting_service`), authenticated
 through the hub: browsers by HubOAuth, API clients by their JupyterHub token. Who sees what:
 a member sees their own usage and cost, and their team's totals, days and queue; a team lead each member's
 usage, the top consumers and the bill too; an admin everything. Another team's data answers 404, so that
@@ -839,7 +839,7 @@ def _env(name: str, fallback: str) -> str:
 
 
 class AccountingService(Application):
-    """`python -m gpupool.hub.accounting.service`: the accounting service's settings, and the service itself.
+    """`python -m gpupool.hub.services.accounting_service`: the accounting service's settings, and the service itself.
 
     Configured like JupyterHub's own services: traits with help (`--help-all`), a config file (`--config`),
     `--generate-config`, command-line aliases. Each trait falls back to the environment variable its help
@@ -850,9 +850,9 @@ class AccountingService(Application):
     name = "gpupool-accounting"
     description = "The gpupool accounting service: usage, budgets, bills and metrics behind the hub login."
     examples = """
-    python -m gpupool.hub.accounting.service --generate-config > accounting_config.py
-    python -m gpupool.hub.accounting.service --config accounting_config.py
-    python -m gpupool.hub.accounting.service --ledger-url postgresql+psycopg://gpupool@db/gpupool
+    python -m gpupool.hub.services.accounting_service --generate-config > accounting_config.py
+    python -m gpupool.hub.services.accounting_service --config accounting_config.py
+    python -m gpupool.hub.services.accounting_service --ledger-url postgresql+psycopg://gpupool@db/gpupool
     """
     aliases = {
         "config": "AccountingService.config_file",
