@@ -729,9 +729,19 @@ _UI_HIDDEN = ('aside>div[tooltip-data-state]:has(>div[role="button"]),aside li:h
               'aside li:has(>a[href^="#/settings"]),aside li:has(>a[href*="/traces"]),aside a[href*="/traces"],'
               '[data-assistant-ui],[data-component-id^="mlflow.assistant."],[data-component-id^="mlflow.home."]'
               '{display:none!important}aside a[href="#/"]{pointer-events:none}')
-#: Home, opened by its address or the back button, shows the experiments instead.
-_UI_HOME_SCRIPT = ('(function(){function go(){var h=location.hash;if(h===""||h==="#"||h==="#/"||h.slice(0,3)==="#/?")'
-                   'location.replace("#/experiments")}go();addEventListener("hashchange",go)})();')
+#: Home, opened by its address or the back button, shows the experiments instead. An address that asks for the
+#: GenAI mode (`?workflowType=genai`: the UI reads it from the route's query, stores it as its mode and opens an
+#: experiment on its traces' overview; a shared link may carry it) opens without it, in the "Model training"
+#: mode: before the UI starts, the address is rewritten; once it runs (the same page, another address), the
+#: change is kept from the UI's router (this listener is the first, in the capture phase) and the page loaded
+#: again, so that the mode set above is the one it reads.
+_UI_HOME_SCRIPT = ('(function(){function go(e){var h=location.hash;'
+                   'if(h===""||h==="#"||h==="#/"||h.slice(0,3)==="#/?"){location.replace("#/experiments");return}'
+                   'if(!/[?&]workflowType=genai(&|$)/i.test(h))return;'
+                   'var to=h.replace(/([?&])workflowType=genai(&|$)/i,function(m,a,b){return b?a:""});'
+                   'if(!e){location.replace(to);return}'
+                   'e.stopImmediatePropagation();history.replaceState(null,"",to);location.reload()}'
+                   'go();addEventListener("popstate",go,true);addEventListener("hashchange",go,true)})();')
 #: The way back to the hub: a link after the sidebar's Model registry, styled as its neighbours (put back whenever
 #: the UI redraws its sidebar).
 _UI_HUB_LINK_SCRIPT = (

@@ -555,6 +555,17 @@ def test_a_browser_logs_in_through_the_hub_and_sees_its_teams_experiment_without
         # The model registry, and back to the hub from it.
         b.get(f"{hub.url}/services/mlflow/#/models")
         b.wait_for_text(MODEL, 300)
+        # A link that asks for the GenAI mode (MLflow's UI reads `workflowType` from the route, and opens an
+        # experiment on its traces' overview in that mode) opens the experiment in the "Model training" mode: its
+        # runs, no Traces.
+        b.get(f"{hub.url}/services/mlflow/#/experiments/{notebook['experiment_id']}?workflowType=genai")
+        try:
+            b.wait(lambda d: "workflowType=genai" not in d.current_url and run_name in b.text(), 300)
+        except TimeoutException:
+            raise AssertionError(f"the GenAI mode's address did not open the experiment's runs: at "
+                                 f"{b.driver.current_url}, it shows:\n{b.text()[:1000]}") from None
+        b.wait_page_loaded()
+        asked_genai_nav = [a.text for a in b.css("aside a") if a.is_displayed()]
         b.click("#gpupool-hub-link")
         b.wait(lambda d: d.current_url.endswith("/hub/home"), 120, "the hub link did not lead to the hub's home")
         b.wait_for_text("alice", 120)
@@ -565,6 +576,7 @@ def test_a_browser_logs_in_through_the_hub_and_sees_its_teams_experiment_without
     assert "Failed to load" not in body, body[:2000]
     assert "Experiments" in nav and "Model registry" in nav and "Hub home" in nav, nav
     assert "Runs" in experiment_nav and "Traces" not in experiment_nav and "Hub home" in experiment_nav, experiment_nav
+    assert "Runs" in asked_genai_nav and "Traces" not in asked_genai_nav, asked_genai_nav
     assert assistant == [], "the assistant's button is shown"
     # What a private platform's first page must not show: what gpupool refuses (GenAI's pages, the demo, the
     # assistant) and a telemetry notice.
