@@ -39,7 +39,8 @@ from jupyterhub_idle_culler import cull_idle
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from gpupool.hub.culler import IdleCuller
-from gpupool.hub.harness import free_port_block
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test harness, tests/harness.py
+from harness import free_port_block  # noqa: E402
 from gpupool.policies import defaults
 from gpupool.spawner.wiring import CULLER_SCOPES
 

@@ -70,7 +70,8 @@ import psutil  # noqa: E402
 from jupyterhub.spawner import SimpleLocalProcessSpawner  # noqa: E402
 from traitlets import Unicode, default  # noqa: E402
 
-from gpupool.hub.harness import free_port_block  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))  # tests/harness.py
+from harness import free_port_block  # noqa: E402
 
 
 class BenchServerSpawner(SimpleLocalProcessSpawner):

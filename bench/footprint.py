@@ -29,7 +29,8 @@ import psutil
 import requests
 
 from gpupool.hub.config import proxy_command
-from gpupool.hub.harness import Hub, free_port_block
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test harness, tests/harness.py
+from harness import Hub, free_port_block  # noqa: E402
 
 JUPYTERHUB = Path(sys.executable).parent / "jupyterhub"
 MIB = 1024 * 1024

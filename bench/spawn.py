@@ -15,7 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpupool.hub.harness import Hub
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # the test harness, tests/harness.py
+from harness import Hub  # noqa: E402
 
 POLICY = {
     "policy.yaml": """

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import requests
 
-from gpupool.hub.harness import Hub, wait_for
+from harness import Hub, wait_for
 
 
 class CullerClock:

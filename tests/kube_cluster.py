@@ -68,7 +68,7 @@ def _free_ports(n: int = 1) -> int:
     """The first of `n` consecutive free ports outside the kernel's ephemeral range (the harness's rule: a port
     from that range could be taken by any outgoing connection before the component binds it). Ports one
     component binds together are picked together, so no two of them can be the same."""
-    from gpupool.hub.harness import free_port_block
+    from harness import free_port_block
 
     return free_port_block(n)
 

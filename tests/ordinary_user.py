@@ -9,7 +9,7 @@ import os
 import pwd
 import subprocess
 
-from gpupool.hub.harness import platform_command
+from harness import platform_command
 
 #: The account made (as root) for the journey's and the named servers' hubs run by an ordinary user.
 ORDINARY_USER = "gpjourney"

@@ -19,7 +19,7 @@ import pytest
 import sqlalchemy as sa
 
 from gpupool.hub.accounting.ledger import INTERVALS, Ledger, _interval
-from gpupool.hub.harness import Hub
+from harness import Hub
 from gpupool.spawner.pool import process_alive
 
 POLICY = {

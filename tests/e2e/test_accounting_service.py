@@ -19,7 +19,7 @@ import requests
 
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.periods import period_of, utcnow
-from gpupool.hub.harness import Hub
+from harness import Hub
 
 POLICY = {
     "policy.yaml": """

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from gpupool.hub.harness import Browser, Hub
+from harness import Browser, Hub
 
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
 POLICY = {

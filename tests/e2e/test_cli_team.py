@@ -1,6 +1,6 @@
 """The `gpupool` command as an admin runs it: from any folder, against the running platform `gpupool up` recorded.
 
-A real hub (`gpupool.hub.harness`); the command runs as a subprocess in a folder that is neither the state folder
+A real hub (`tests/harness.py`); the command runs as a subprocess in a folder that is neither the state folder
 nor its parent, without --state-dir.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from gpupool.hub.accounting.ledger import Ledger
-from gpupool.hub.harness import Hub, wait_for
+from harness import Hub, wait_for
 
 POLICY = {
     "policy.yaml": """

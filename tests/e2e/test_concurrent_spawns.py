@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from gpupool.hub.accounting.ledger import Ledger, State
-from gpupool.hub.harness import Hub
+from harness import Hub
 
 POLICY = {
     "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [hami]}\n"

@@ -30,7 +30,7 @@ from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.culls import IdleStore
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
 from gpupool.hub.services.accounting_service import idle_report
-from gpupool.hub.harness import Browser, Hub, wait_for
+from harness import Browser, Hub, wait_for
 
 DOUBLE = Path(__file__).resolve().parents[1] / "nvml_double"
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"

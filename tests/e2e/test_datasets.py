@@ -25,7 +25,7 @@ import yaml
 from configobj import ConfigObj
 
 from gpupool.hub.datasets import repository_config_problems, team_datasets
-from gpupool.hub.harness import Hub
+from harness import Hub
 from gpupool.policies import EXAMPLES_DIR, load_policy
 from gpupool.spawner.datasets import git_config_text, server_datasets
 

@@ -1,7 +1,7 @@
 """The embedded platform end to end: `gpupool up` runs a real JupyterHub, proxy and JupyterLab servers.
 
 Nothing is mocked: users are created and servers spawned through the hub's REST API with a service token
-(`gpupool.hub.harness`), code runs in a real kernel of the spawned server, and the hub is stopped and
+(`tests/harness.py`), code runs in a real kernel of the spawned server, and the hub is stopped and
 restarted for real.
 """
 
@@ -20,7 +20,7 @@ import requests
 
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.periods import period_of, utcnow
-from gpupool.hub.harness import Hub
+from harness import Hub
 from gpupool.spawner.pool import AllocationStore
 
 POLICY = {

@@ -31,7 +31,7 @@ import pytest
 import requests
 import yaml
 
-from gpupool.hub.harness import Browser, Hub, Terminal, platform_command
+from harness import Browser, Hub, Terminal, platform_command
 from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
 from gpupool.spawner.images import default_images_dir, image_stamp
 

@@ -17,7 +17,7 @@ import pytest
 import requests
 import websocket
 
-from gpupool.hub.harness import Hub
+from harness import Hub
 
 POLICY = {
     "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [hami]}\ninventory:\n"

@@ -21,7 +21,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from gpupool.hub.harness import platform_command
+from harness import platform_command
 from gpupool.images import IMAGES_DIR, TEMPLATES_DIR, image_names
 from gpupool.policies import DEFAULT_POLICY_DIR
 from gpupool.spawner.images import default_images_dir, image_stamp

@@ -26,7 +26,7 @@ import sqlalchemy as sa
 import torch
 
 from gpupool.hub.accounting.ledger import INTERVALS, Ledger
-from gpupool.hub.harness import Hub, Terminal, platform_command
+from harness import Hub, Terminal, platform_command
 
 HERE = Path(__file__).resolve().parents[1]  # the tests folder (train_loop.py)
 POLICY = {

@@ -41,7 +41,7 @@ import psutil
 import pytest
 import requests
 
-from gpupool.hub.harness import Browser, Hub, Terminal
+from harness import Browser, Hub, Terminal
 from ordinary_user import ordinary_user
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

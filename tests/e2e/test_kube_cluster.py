@@ -356,7 +356,7 @@ c.GPUKubeSpawner.queue_poll_interval = 0.5
 
 def test_a_real_hub_starts_a_notebook_pod_its_user_reaches_which_survives_a_hub_restart_and_stops(
         cluster, tmp_path, monkeypatch):
-    from gpupool.hub.harness import Hub
+    from harness import Hub
 
     policies = kube.policy_copy(tmp_path, queue_timeout=240)
     cluster.kubectl("apply", "--server-side", "-f", "-",
@@ -834,7 +834,7 @@ def test_a_job_submitted_with_the_cli_runs_as_a_volcano_job_restarts_outlives_a_
         cluster, tmp_path, monkeypatch):
     """The person's path: `gpupool jobs submit` from a folder, with the user's own token, through the hub's proxy
     to the jobs service; the real hub's job runner makes the Volcano Job (the job controller double runs it)."""
-    from gpupool.hub.harness import Hub, platform_command
+    from harness import Hub, platform_command
 
     policies = kube.policy_copy(tmp_path, queue_timeout=240)
     cluster.kubectl("apply", "--server-side", "-f", "-",

@@ -18,7 +18,7 @@ import pytest
 import requests
 
 from culler_clock import CullerClock, seen_by_culler, step_until
-from gpupool.hub.harness import Browser, Hub
+from harness import Browser, Hub
 from gpupool.hub.lab_idle import culler_url, this_server, warned
 
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"

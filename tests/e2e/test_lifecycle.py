@@ -24,7 +24,7 @@ import pytest
 import requests
 
 from gpupool.hub import lifecycle
-from gpupool.hub.harness import GPUPOOL, Hub
+from harness import GPUPOOL, Hub
 from gpupool.spawner.pool import process_alive
 
 #: A service that listens, starts a child of its own (as `mlflow server` starts uvicorn and job runners), and

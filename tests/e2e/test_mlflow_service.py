@@ -22,7 +22,7 @@ import requests
 from gpupool.hub.accounting.bills import round_half_up
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.periods import utcnow
-from gpupool.hub.harness import Browser, Hub, wait_for
+from harness import Browser, Hub, wait_for
 from gpupool.mlflow.cost import COST_TAGS
 
 POLICY = {
@@ -343,7 +343,7 @@ def test_bad_requests_get_4xx_never_500(hub):
 
 
 def test_a_policy_edit_reaches_the_services_checks(tmp_path):
-    from gpupool.hub.harness import wait_for
+    from harness import wait_for
     from gpupool.mlflow.auth import Gate
     from gpupool.mlflow.permissions import viewer_of
 

@@ -25,7 +25,7 @@ from traitlets.config import Config
 from gpupool.hub.accounting.ledger import Ledger, run_server
 from gpupool.hub.accounting.periods import period_bounds, period_of, utcnow
 from gpupool.hub.config import Settings, apply_config, named_server_limit
-from gpupool.hub.harness import Browser, Hub, wait_for
+from harness import Browser, Hub, wait_for
 from ordinary_user import ordinary_user
 from gpupool.spawner.wiring import sharing_roles
 from gpupool.policies import DEFAULT_POLICY_DIR, load_policy

@@ -18,7 +18,7 @@ import requests
 
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.periods import utcnow
-from gpupool.hub.harness import Hub
+from harness import Hub
 from gpupool.spawner.pool import AllocationStore, LocalPool, Request, declared_cards, process_alive
 from gpupool.spawner.requeue import requeue
 

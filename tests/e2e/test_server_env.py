@@ -30,7 +30,7 @@ import pytest
 import requests
 import websocket
 
-from gpupool.hub.harness import GPUPOOL, Hub
+from harness import GPUPOOL, Hub
 from gpupool.policies.identity import unix_group, unix_user
 from gpupool.spawner.local import ROOT_SERVER_ENV, default_server_env, runnable_by_others, server_env_paths
 
@@ -212,7 +212,7 @@ def up_alone(tmp: Path, server_env: str, *args: str) -> tuple[subprocess.Popen, 
 
 
 def _port() -> int:
-    from gpupool.hub.harness import free_port_block
+    from harness import free_port_block
 
     return free_port_block(7)
 

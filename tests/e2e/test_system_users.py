@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from gpupool.hub.harness import Hub
+from harness import Hub
 from gpupool.policies.identity import unix_group, unix_user
 from gpupool.spawner.accounts import IdentityConflict, claim_machine
 from gpupool.spawner.datasets import Remote, dvc_config_text, git_config_text, safe_directories_text

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpupool.hub.harness import Hub, Terminal
+from harness import Hub, Terminal
 from gpupool.policies.identity import unix_group
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="servers run as their own Unix users only under a "

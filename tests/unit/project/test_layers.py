@@ -227,6 +227,13 @@ def test_what_both_spawners_do_is_written_once_in_the_mixin(subclass):
 # --- unit and end-to-end tests apart -------------------------------------------------------------------------
 
 
+def test_the_test_harness_is_the_tests_not_the_products():
+    # The harness drives a whole `gpupool up` for the end-to-end tests and the benchmarks: it is not shipped
+    assert (ROOT / "tests" / "harness.py").is_file() and not (ROOT / "hub" / "harness.py").exists()
+    assert not [f"{found.file.relative_to(ROOT)}:{found.line}" for file in source_files()
+                for found in imports_of(file) if found.imported.startswith("gpupool.hub.harness")]
+
+
 def test_the_kind_of_a_test_is_its_folder():
     tests = ROOT / "tests"
     modules = {path.relative_to(tests) for path in tests.rglob("test_*.py")}
@@ -236,7 +243,7 @@ def test_the_kind_of_a_test_is_its_folder():
     assert {path.parts[1] for path in modules if path.parts[0] == "unit"} <= layers
     # a unit test starts no hub: the harness (a hub with its proxy and services) is for tests/e2e/ only
     starts_a_hub = sorted(str(path) for path in modules if path.parts[0] == "unit"
-                          and re.search(r"^\s*(from|import) gpupool\.hub\.harness", (tests / path).read_text(), re.M))
+                          and re.search(r"^\s*(from|import) harness\b", (tests / path).read_text(), re.M))
     assert starts_a_hub == []
 
 

@@ -1,6 +1,8 @@
 """Drive a `gpupool up` process through the hub's REST API: start, stop, users, spawns, progress, kernels.
 
-Used by the end-to-end tests and `bench/spawn.py`; it talks to the real hub and servers, nothing is faked.
+Used by the end-to-end tests (`tests/e2e/`, imported by name: `tests` is on pytest's `pythonpath`) and the
+benchmarks in `bench/` (which put `tests/` on `sys.path`); it talks to the real hub and servers, nothing is
+faked. Not part of the product: it is not installed with gpupool.
 """
 
 from __future__ import annotations
