@@ -76,7 +76,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def machine_claim_given_back():
     """Root hubs of the suite take the machine's gpupool accounts over (`Hub.start`, `claim_machine`); at the end
     the record names again the platform it named before, so that the admin's own `gpupool up` is not refused on
-    account of a test's state folder that pytest keeps."""
+    account of a test's state folder that pytest keeps. Only while it names one of this session's hubs: another
+    session running beside this one (a developer's targeted run beside a full one) keeps the claim it holds."""
+    from harness import CLAIMED
+
     from gpupool.spawner.accounts import DEFAULT_RECORD, _locked_record
 
     record = Path(DEFAULT_RECORD)
@@ -85,6 +88,8 @@ def machine_claim_given_back():
     if os.geteuid() != 0 or not record.exists():
         return
     with _locked_record(record) as now:
+        if now.get("platform") not in CLAIMED:
+            return  # not ours: another session's hub holds it now
         if before is None:
             now.pop("platform", None)
         else:

@@ -28,6 +28,10 @@ from gpupool.policies import defaults
 from gpupool.spawner.accounts import DEFAULT_RECORD, claim_machine
 from gpupool.spawner.pool import AllocationStore
 
+#: The state folders this process's root hubs took the machine's accounts over for (`claim_machine`): the session
+#: gives the record back at its end only while it names one of these, not another test session's platform.
+CLAIMED: set[str] = set()
+
 GPUPOOL = Path(sys.executable).parent / "gpupool"
 
 
@@ -144,6 +148,7 @@ class Hub:
             # Each test's hub is a new install on this machine, the earlier tests' platforms are gone: this one
             # takes the machine's accounts over (what an admin does by removing the old state folder).
             claim_machine(self.state, DEFAULT_RECORD, take_over=True)
+            CLAIMED.add(str(Path(self.state).resolve()))
         log = self.log.open("a")
         logged = self.log.stat().st_size
         env = dict(self.env)
