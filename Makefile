@@ -226,9 +226,12 @@ test: install-test kube-tools images
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The two halves of `make test`, by folder (tests/conftest.py marks them): unit tests (tests/unit: in-process,
-# a few minutes) and end-to-end tests (tests/e2e: a real hub, services, PostgreSQL, S3, Chromium).
+# about two minutes on two cores) and end-to-end tests (tests/e2e: a real hub, services, PostgreSQL, S3, Chromium).
+# The unit half runs on UNIT_WORKERS pytest-xdist workers, each taking whole modules (their fixtures and order
+# kept); UNIT_WORKERS=0 runs it in this process. `make test` runs everything in one process, in order.
+UNIT_WORKERS ?= 2
 test-unit: install-test
-	$(BIN)/python -m pytest tests/unit -m "not e2e" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest tests/unit -m "not e2e" $(if $(filter-out 0,$(UNIT_WORKERS)),-n $(UNIT_WORKERS) --dist loadfile) $(PYTEST_ARGS)
 
 test-e2e: install-test kube-tools images
 	$(BIN)/python -m pytest -m e2e $(PYTEST_ARGS)
