@@ -1,11 +1,13 @@
 """The Kubernetes mode on the real control plane (tests/kube_cluster.py: etcd, kube-apiserver,
-kube-controller-manager, kube-scheduler, KWOK's fake GPU nodes; built by `make kube-tools`).
+kube-controller-manager, kube-scheduler, KWOK's fake GPU nodes and the real Volcano v1.14.4 with the chart's
+scheduler configuration; built by `make kube-tools`).
 
-1. Seconds from a spawn's start to a Running pod, for notebook spawns of 0.25 × H200: GPUKubeSpawner
-   (admission through the ledger's door, the pod bound by the scheduler profile named `volcano`, which
-   stands in for Volcano's scheduler: Volcano's modules are not served here) against KubeSpawner with the same
-   pod and no scheduler name (the default kube-scheduler), interleaved, in one run. Ratio gpupool / plain.
-2. Pods bound per second by the scheduler for a burst of fractional pods (HAMi quarters) on fake nodes.
+1. Seconds from a spawn's start to a Running pod, for notebook spawns of 0.25 × H200 as a Volcano vGPU share:
+   GPUKubeSpawner (admission through the ledger's door, the pod's PodGroup in its team's queue, bound by
+   Volcano's scheduler and its vGPU device plugin) against KubeSpawner with the same pod and no scheduler name
+   (the default kube-scheduler, counting the same resources), interleaved, in one run. Ratio gpupool / plain.
+2. Pods bound per second by Volcano's scheduler for a burst of fractional pods (Volcano vGPU quarters) on fake
+   nodes registered as Volcano's vGPU device plugin registers them (re-reported every 30 s, as the plugin does).
 
     .venv/bin/python bench/kube.py [--spawns 10] [--burst 200] [--nodes 100]
 """
@@ -29,7 +31,8 @@ sys.path.insert(0, str(TESTS))  # the test helpers import each other by module n
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", TESTS / f"{name}.py")
+    # the support modules are in tests/, the test modules in its folders (tests/unit/spawner/...)
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", next(TESTS.rglob(f"{name}.py")))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -38,6 +41,10 @@ def _load(name: str):
 kc = _load("kube_cluster")
 kube = _load("test_kube_spawner")  # JupyterHub's real user objects around a spawner
 NAMESPACE = "bench"
+#: A 0.25 × H200 Volcano vGPU share, as GPUKubeSpawner asks it (gpupool.policies.resources).
+H200_MIB = 141 * 1024
+QUARTER = {"volcano.sh/vgpu-number": "1", "volcano.sh/vgpu-memory": str(H200_MIB // 4),
+           "volcano.sh/vgpu-cores": "25"}
 
 
 async def time_start(spawner) -> float:
@@ -68,8 +75,7 @@ async def spawns(cluster, policies: Path, count: int) -> dict[str, list[float]]:
         await spawner._run_apply_user_options({"profile": "h200-quarter"})
         plain_spawner = plain.spawner(f"p{i}")
         # The same pod as gpupool's, scheduled by the default scheduler (no schedulerName).
-        plain_spawner.extra_resource_limits = plain_spawner.extra_resource_guarantees = {
-            "nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "25", "nvidia.com/gpucores": "25"}
+        plain_spawner.extra_resource_limits = plain_spawner.extra_resource_guarantees = dict(QUARTER)
         plain_spawner.tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
         plain_spawner.node_selector = {"nvidia.com/gpu.product": "NVIDIA-H200"}
         first, second = (spawner, plain_spawner) if i % 2 else (plain_spawner, spawner)
@@ -86,14 +92,14 @@ async def spawns(cluster, policies: Path, count: int) -> dict[str, list[float]]:
 
 
 def burst(cluster, pods: int) -> tuple[float, int]:
-    """Create `pods` HAMi quarter pods at once; seconds until every one is bound to a node, and how many were."""
+    """Create `pods` Volcano vGPU quarter pods at once; seconds until every one is bound to a node, and how many were."""
     session = cluster.api()
     url = f"{cluster.url}/api/v1/namespaces/{NAMESPACE}/pods"
 
     def pod(i: int) -> dict:
-        gpu = {"nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "25", "nvidia.com/gpucores": "25"}
+        gpu = dict(QUARTER)
         return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"burst-{i}", "labels": {"bench": "burst"}},
-                "spec": {"schedulerName": kc.VOLCANO_STANDIN, "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
+                "spec": {"schedulerName": kc.VOLCANO_SCHEDULER, "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
                          "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                          "containers": [{"name": "notebook", "image": "quay.io/jupyterhub/singleuser:5.3",
                                          "resources": {"limits": gpu, "requests": gpu}}]}}
@@ -127,10 +133,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp, kc.running_cluster() as cluster:
         os.environ["GPUPOOL_LEDGER_URL"] = defaults.ledger_url(tmp)
-        policies = kube.policy_copy(Path(tmp), queue_timeout=300)
-        (h200,) = [n for n in kc.fake_nodes(load_policy(policies)) if n["name"] == "gpu-h200-0"]
+        cluster.vgpu_report_period = 30.0  # as Volcano's vGPU device plugin: the burst's 100 nodes, not 2 s each
+        policies = kc.under_volcano(kube.policy_copy(Path(tmp), queue_timeout=300))
+        (h200,) = [n for n in kc.fake_nodes(load_policy(policies)) if n["name"] == "gpu-h200-volcano-vgpu-0"]
         for node in kc.fake_nodes(load_policy(policies)):
-            cluster.add_node(node["name"], node["labels"], node["allocatable"], node["taints"])
+            cluster.add_node(node["name"], node["labels"], node["allocatable"], node["taints"], node["annotations"])
         for namespace in (NAMESPACE, "gpu-operator"):  # the second: where the time-slicing ConfigMap goes
             cluster.kubectl("create", "namespace", namespace)
         render = Path(sys.executable).with_name("gpupool")
@@ -139,8 +146,11 @@ def main() -> None:
         cluster.kubectl("apply", "--server-side", "-f", "-", input=manifest)
         times = asyncio.run(spawns(cluster, policies, args.spawns))
 
-        for i in range(args.nodes - 2):  # the burst's nodes: as many H200 nodes in all
-            cluster.add_node(f"burst-h200-{i}", h200["labels"], h200["allocatable"], h200["taints"])
+        for i in range(args.nodes - 2):  # the burst's nodes: as many H200 nodes of Volcano's vGPU plugin in all
+            annotations, resources = kc.device_registration("volcano-vgpu", f"burst-h200-{i}", 8, H200_MIB,
+                                                            "NVIDIA-H200")
+            cluster.add_node(f"burst-h200-{i}", h200["labels"], {**kc.NODE_BASICS, **resources}, h200["taints"],
+                             annotations)
         seconds, bound = burst(cluster, args.burst)
 
     print(f"{'start → Running (0.25 × H200)':<34}{'spawns':>8}{'median s':>11}{'p95 s':>9}")
@@ -150,7 +160,7 @@ def main() -> None:
     print(f"ratio GPUKubeSpawner / KubeSpawner: median {ratio:.3f}, "
           f"p95 {p95(times['GPUKubeSpawner']) / p95(times['KubeSpawner']):.3f}")
     print(f"burst: {bound} of {args.burst} fractional pods bound on {args.nodes} nodes in {seconds:.2f} s: "
-          f"{bound / seconds:.1f} pods/s (kube-scheduler's `volcano` stand-in profile)")
+          f"{bound / seconds:.1f} pods/s (Volcano's scheduler)")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,23 @@
-"""The real Kubernetes control plane on loopback, for the tests of the Kubernetes mode (issue 15).
+"""The real Kubernetes control plane on loopback, with the real Volcano, for the tests of the Kubernetes mode
+(issues 15 and 35).
 
 etcd, kube-apiserver (token auth, RBAC, service-account keys made at start, the Priority admission plugin),
 kube-controller-manager (garbage collector, namespaces, service accounts), kube-scheduler and KWOK (nodes and
 pod lifecycles without a kubelet or containers), all built from the Go module proxy by `make kube-tools`
-(kube/build-tools.sh, versions in kube/versions.env) into a cache outside the repository. Every process
-listens on 127.0.0.1 on free ports and keeps its files in one temporary folder; the logs are kept when a test
-fails (the folder's path is printed).
+(kube/build-tools.sh, versions in kube/versions.env) into a cache outside the repository; and Volcano
+v1.14.4's `vc-scheduler` and `vc-controller-manager`, built by the same script from Volcano's release source
+(`../shared/upstream/`), run out of cluster against the API server (leader election off), with Volcano's
+CRDs and its ValidatingAdmissionPolicies (what replaces its webhook: no webhook runs) from that source, and
+the scheduler configuration gpupool's chart ships (`helm/gpupool/files/volcano-scheduler.conf`, read as is).
+Every process listens on 127.0.0.1 on free ports and keeps its files in one temporary folder; the logs are
+kept when a test fails (the folder's path is printed).
 
-What is not real, and says so: Volcano. Its scheduler and controllers are not served by the Go module proxy
-these machines reach, so its CRDs (Queue, PodGroup, Job) come from `../shared/schemas/volcano/` (exactly as
-Volcano's chart installs them) and the API server validates and stores Volcano objects for real, but nothing
-schedules a Volcano Job or makes a bare pod's PodGroup. Pods that name `schedulerName: volcano` are bound by a
-second profile of the real kube-scheduler named `volcano` (`VOLCANO_STANDIN`): a stand-in for Volcano's
-scheduler, named as one in every test that relies on it.
+The fake GPU nodes are registered as the device plugins register real ones (`fake_nodes`): Volcano's vGPU
+plugin's node annotation and `volcano.sh/vgpu-*` capacity, HAMi's annotation and its `nvidia.com/gpu` count,
+the NVIDIA plugin's MIG and time-slicing resources; no resource a device plugin does not advertise. What of
+Volcano's vGPU device plugin the scheduler needs besides is played by named doubles: its periodic re-report of
+that registration (`KubeCluster._report_vgpu_nodes`) and its mark on a bound pod's assignment once the kubelet
+admits the pod (`KubeCluster._allocate_vgpu_pods`).
 """
 
 from __future__ import annotations
@@ -33,19 +38,29 @@ import requests
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED = ROOT.parent / "shared"
-VOLCANO_CRDS = SHARED / "schemas" / "volcano"
 BUILD = ROOT / "kube" / "build-tools.sh"
 BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl", "kwok")
+VOLCANO_BINARIES = ("vc-scheduler", "vc-controller-manager")
+#: Volcano's scheduler configuration as gpupool's chart ships it: the test cluster's vc-scheduler reads this file.
+SCHEDULER_CONF = ROOT / "helm" / "gpupool" / "files" / "volcano-scheduler.conf"
+#: In Volcano's unpacked source: its chart's CRDs and the admission policies that replace its webhook.
+VOLCANO_CHART = Path("installer") / "helm" / "chart" / "volcano"
 
 #: The annotation KWOK's nodes carry and KWOK selects on: nodes without it are left alone.
 FAKE_NODE = {"kwok.x-k8s.io/node": "fake"}
-#: The scheduler profile that stands in for Volcano's scheduler (see the module's docstring).
-VOLCANO_STANDIN = "volcano"
+#: The scheduler name Volcano's scheduler and controllers serve (their default), as pods and Jobs name it.
+VOLCANO_SCHEDULER = "volcano"
+
 
 def tools_dir() -> Path:
     """Where `make kube-tools` puts this checkout's pinned set (one folder per set of versions)."""
     done = subprocess.run(["bash", str(BUILD), "--print-dir"], capture_output=True, text=True, check=True)
+    return Path(done.stdout.strip())
+
+
+def volcano_dir() -> Path:
+    """Where `make kube-tools` puts Volcano: `bin/` and `src/` (its unpacked release source)."""
+    done = subprocess.run(["bash", str(BUILD), "--print-volcano-dir"], capture_output=True, text=True, check=True)
     return Path(done.stdout.strip())
 
 
@@ -59,8 +74,11 @@ def missing_tools() -> str | None:
         absent.append("KWOK's CRDs")
     if absent:
         return f"the Kubernetes control plane is not built ({', '.join(absent)} missing in {bin_dir}): run make kube-tools"
-    if not VOLCANO_CRDS.is_dir():
-        return f"Volcano's CRDs are not in {VOLCANO_CRDS}"
+    volcano = volcano_dir()
+    absent = [name for name in VOLCANO_BINARIES if not (volcano / "bin" / name).is_file()]
+    if absent or not (volcano / "src" / ".complete").is_file():
+        return (f"Volcano is not built ({', '.join(absent) or 'its unpacked source'} missing in {volcano}): run "
+                "make kube-tools with Volcano's release archive in ../shared/upstream (kube/versions.env)")
     return None
 
 
@@ -88,10 +106,10 @@ def _wait(what: str, ready, timeout: float, process: subprocess.Popen | None = N
 
 
 def _scheduler_config() -> dict:
-    """kube-scheduler with its default profile and the `volcano` stand-in profile (same plugins)."""
+    """kube-scheduler with its default profile only: pods naming `volcano` are Volcano's."""
     return {"apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
             "leaderElection": {"leaderElect": False},
-            "profiles": [{"schedulerName": "default-scheduler"}, {"schedulerName": VOLCANO_STANDIN}]}
+            "profiles": [{"schedulerName": "default-scheduler"}]}
 
 
 #: A pod with this label is one whose node's kubelet is gone: KWOK does not finish its deletion (it stays
@@ -111,37 +129,112 @@ def _kwok_stages(stages: Path) -> list[dict]:
         if stage["metadata"]["name"] == "pod-delete":
             stage["spec"]["selector"]["matchExpressions"].append(
                 {"key": f'.metadata.labels["{KUBELET_LOST}"]', "operator": "DoesNotExist"})
+        if stage["metadata"]["name"] == "pod-complete":
+            # KWOK completes the pods a `Job` owns at once: Kubernetes' batch/v1 Jobs, not Volcano's Jobs (also
+            # of kind Job, batch.volcano.sh), whose training pods run until a test ends them.
+            stage["spec"]["selector"]["matchExpressions"].append(
+                {"key": ".metadata.ownerReferences.[].apiVersion", "operator": "In", "values": ["batch/v1"]})
     return loaded
 
 
-#: What one card of a model offers of each resource a profile may ask for (the device plugins' units): HAMi
-#: splits a card ten ways and counts memory and cores in percent, MIG offers up to seven slices, Volcano's vGPU
-#: counts memory in MiB. Generous on purpose: the fake nodes must hold what the policies ask, no more is tested.
-PER_CARD = {"nvidia.com/gpu": 10, "nvidia.com/gpumem-percentage": 100, "nvidia.com/gpucores": 100,
-            "volcano.sh/vgpu-number": 10, "volcano.sh/vgpu-cores": 100, "hygon.com/dcunum": 10,
-            "hygon.com/dcucores": 100}
+#: How many pods one card takes (HAMi's and Volcano's vGPU device plugins' `deviceSplitCount`, default 10).
+SPLIT = 10
 NODE_BASICS = {"cpu": "64", "memory": "512Gi", "pods": "110", "ephemeral-storage": "1Ti"}
+#: When a device plugin last said it was there (its handshake annotation's form: "Reported " and Go's
+#: `time.Now().String()`).
+_REPORTED = "Reported 2026-01-01 00:00:00.000000000 +0000 UTC m=+0.000000001"
+#: How often the double of Volcano's vGPU device plugin (`KubeCluster._report_vgpu_nodes`) re-reports its nodes'
+#: registration; the real plugin does it every 30 s.
+VGPU_REPORT_PERIOD = 2.0
+#: The pod annotation in which Volcano's deviceshare and its vGPU device plugin follow a vGPU assignment.
+VGPU_BIND_PHASE = "volcano.sh/bind-phase"
+
+
+def vgpu_bound(pod: dict) -> bool:
+    """Whether the vGPU device plugin (`KubeCluster._allocate_vgpu_pods`) has taken a pod's vGPU assignment."""
+    return pod["metadata"].get("annotations", {}).get(VGPU_BIND_PHASE) == "success"
+
+
+def _reported_now() -> str:
+    now = time.time()
+    return (time.strftime("Reported %Y-%m-%d %H:%M:%S", time.gmtime(now))
+            + f".{int(now * 1e9) % 10**9:09d} +0000 UTC m=+{time.monotonic():.9f}")
+
+
+def _uuid(node: str, card: int) -> str:
+    return f"GPU-{node}-{card:02d}"
+
+
+def device_registration(backend: str, node: str, cards: int, memory_mib: int, product: str) -> tuple[dict, dict]:
+    """The node annotations and allocatable resources with which a GPU backend's device plugin registers a node
+    of `cards` cards of `memory_mib` MiB each, in the format the scheduler that reads them decodes:
+    - `volcano-vgpu`: Volcano's vGPU device plugin: `volcano.sh/node-vgpu-register`, one
+      `uuid,count,devmem,type,health,mode:` per card (decoded by Volcano's `vgpu.decodeNodeDevices`, in
+      pkg/scheduler/api/devices/nvidia/vgpu of its source), and `volcano.sh/vgpu-number` (cards × split),
+      `volcano.sh/vgpu-memory` (MiB) and `volcano.sh/vgpu-cores` (100 a card), which it checks are there;
+    - `hami`: HAMi's device plugin: `hami.io/node-nvidia-register`, a JSON array of its `DeviceInfo` (id, index,
+      count, devmem, devcore, type, numa, mode, health; HAMi's pkg/device), and `nvidia.com/gpu` = cards ×
+      split; nothing else (no `nvidia.com/gpucores` or `gpumem-percentage`: HAMi's scheduler extender counts
+      those from the annotation);
+    - `whole`: NVIDIA's device plugin: `nvidia.com/gpu` = cards."""
+    kind = f"NVIDIA-{product}"
+    if backend == "volcano-vgpu":
+        register = "".join(f"{_uuid(node, i)},{SPLIT},{memory_mib},{kind},true,hami-core:" for i in range(cards))
+        return ({"volcano.sh/node-vgpu-register": register, "volcano.sh/node-vgpu-handshake": _REPORTED},
+                {"volcano.sh/vgpu-number": str(cards * SPLIT), "volcano.sh/vgpu-memory": str(cards * memory_mib),
+                 "volcano.sh/vgpu-cores": str(cards * 100)})
+    if backend == "hami":
+        devices = [{"id": _uuid(node, i), "index": i, "count": SPLIT, "devmem": memory_mib, "devcore": 100,
+                    "type": kind, "numa": 0, "mode": "hami-core", "health": True} for i in range(cards)]
+        return ({"hami.io/node-nvidia-register": json.dumps(devices), "hami.io/node-handshake": _REPORTED},
+                {"nvidia.com/gpu": str(cards * SPLIT)})
+    return {}, {"nvidia.com/gpu": str(cards)}
+
+
+def under_volcano(directory: Path) -> Path:
+    """The policy in `directory` rewritten so that its 0.25 × H200 notebook (`h200-quarter`, HAMi's in the
+    examples) is a Volcano vGPU share: Volcano's scheduler places HAMi's pods on no node a real HAMi device
+    plugin registers (they ask `nvidia.com/gpucores`, which HAMi's scheduler extender counts, not a node
+    resource), and Volcano's vGPU device plugin is the share Volcano's own scheduler places."""
+    cluster_file, profiles_file = directory / "cluster.yaml", directory / "profiles.yaml"
+    cluster = yaml.safe_load(cluster_file.read_text())
+    backends = cluster["models"]["H200"]["backends"]
+    if "volcano-vgpu" not in backends:
+        backends.append("volcano-vgpu")
+    cluster_file.write_text(yaml.safe_dump(cluster, sort_keys=False, allow_unicode=True))
+    profiles = yaml.safe_load(profiles_file.read_text())
+    quarter = profiles["profiles"]["h200-quarter"]
+    quarter["gpu"]["backend"] = "volcano-vgpu"
+    quarter["display_name"] = "0.25 × H200 (Volcano vGPU)"
+    profiles_file.write_text(yaml.safe_dump(profiles, sort_keys=False, allow_unicode=True))
+    return directory
 
 
 def fake_nodes(policy, cards: int = 8, per_model: int = 2) -> list[dict]:
-    """Fake GPU nodes for the GPU profiles of `policy`: `per_model` nodes of `cards` cards for each model (and
-    for each MIG slice of the single strategy, whose nodes GPU feature discovery labels by slice), offering
-    every extended resource the model's profiles ask for (HAMi's, MIG's, time-slicing's, Volcano vGPU's,
-    other vendors'), labelled as GPU feature discovery labels them and tainted as the pods tolerate; plus one
-    CPU node without a taint."""
+    """Fake GPU nodes for the GPU profiles of `policy`: `per_model` nodes of `cards` cards for each model and
+    sharing backend (a node runs one device plugin: HAMi's, Volcano's vGPU one or NVIDIA's), registered as that
+    plugin registers a real node (`device_registration`), and for each MIG slice of the single strategy (nodes
+    GPU feature discovery labels by slice); labelled as GPU feature discovery labels them and tainted as the
+    pods tolerate; plus one CPU node without a taint. NVIDIA's plugin advertises MIG slices
+    (`nvidia.com/mig-*`) and time-slicing replicas (`nvidia.com/gpu.shared`) as node resources, so those are.
+    Other vendors' (Hygon's DCUs through HAMi) keep their plugin's resources."""
     from gpupool.policies.model import product_label
     from gpupool.policies.resources import profile_gpu
 
     GPU_PRODUCT = "nvidia.com/gpu.product"
-    kinds: dict[tuple[str, str], dict] = {}
-    for profile in policy.profiles.values():
+    kinds: dict[tuple[str, str, str], dict] = {}
+    for slug, profile in sorted(policy.profiles.items()):
         gpu = profile_gpu(profile, policy)
         if gpu is None:
             continue
         model = policy.models[gpu.model]
         product = gpu.node_selector.get(GPU_PRODUCT) or (product_label(gpu.model, model)
                                                          if model.vendor == "nvidia" else "")
-        kind = kinds.setdefault((gpu.model, product), {"labels": {}, "resources": {}, "taints": []})
+        backend = profile.gpu.backend if model.vendor == "nvidia" else "vendor"
+        plugin = backend if backend in ("hami", "volcano-vgpu") else "nvidia"
+        kind = kinds.setdefault((gpu.model, product, plugin), {
+            "labels": {}, "resources": {}, "annotations": {}, "taints": [], "memory": model.memory_gib * 1024,
+            "product": product})
         if product:
             kind["labels"][GPU_PRODUCT] = product
         kind["labels"].update(gpu.node_selector)
@@ -150,26 +243,37 @@ def fake_nodes(policy, cards: int = 8, per_model: int = 2) -> list[dict]:
                      **({"value": toleration["value"]} if "value" in toleration else {})}
             if taint not in kind["taints"]:
                 kind["taints"].append(taint)
+        if plugin != "nvidia" or model.vendor != "nvidia":
+            if model.vendor != "nvidia":  # another vendor's plugin: its own resources, counted per card
+                for name in gpu.limits:
+                    per_card = model.memory_gib * 1024 if name.endswith("mem") else (100 if "cores" in name
+                                                                                    else SPLIT)
+                    kind["resources"][name] = str(cards * per_card)
+            continue
         for name in gpu.limits:
             if name.startswith("nvidia.com/mig-"):
-                per_card = 7
+                kind["resources"][name] = str(cards * 7)
             elif name == "nvidia.com/gpu.shared":
-                per_card = model.timeslice.replicas
-            elif name.endswith("-memory") or name.endswith("dcumem"):
-                per_card = model.memory_gib * 1024
-            else:
-                per_card = PER_CARD.get(name, 10)
-            kind["resources"][name] = str(cards * per_card)
+                kind["resources"][name] = str(cards * model.timeslice.replicas)
+            elif name == "nvidia.com/gpu":
+                kind["resources"][name] = str(cards)
     nodes = []
-    for (model, product), kind in sorted(kinds.items()):
+    for (model, product, plugin), kind in sorted(kinds.items()):
         mig = product.split("-MIG-", 1)[1].lower().replace(".", "-") if "-MIG-" in product else ""
-        base = "-".join(filter(None, ["gpu", model.lower(), mig and f"mig-{mig}"]))
+        base = "-".join(filter(None, ["gpu", model.lower(), mig and f"mig-{mig}",
+                                      plugin if plugin in ("hami", "volcano-vgpu") else ""]))
         labels = {"gpupool.io/gpu-model": model, **kind["labels"],
                   **({"nvidia.com/gpu.count": str(cards)} if "nvidia.com/gpu.product" in kind["labels"] else {})}
         for i in range(per_model):
-            nodes.append({"name": f"{base}-{i}", "labels": labels, "taints": kind["taints"],
-                          "allocatable": {**NODE_BASICS, **kind["resources"]}})
-    nodes.append({"name": "cpu-0", "labels": {}, "allocatable": dict(NODE_BASICS), "taints": []})
+            name = f"{base}-{i}"
+            annotations, resources = ({}, {})
+            if plugin in ("hami", "volcano-vgpu"):
+                annotations, resources = device_registration(plugin, name, cards, kind["memory"],
+                                                             kind["product"])
+            nodes.append({"name": name, "labels": labels, "taints": kind["taints"], "annotations": annotations,
+                          "allocatable": {**NODE_BASICS, **kind["resources"], **resources}})
+    nodes.append({"name": "cpu-0", "labels": {}, "annotations": {}, "allocatable": dict(NODE_BASICS),
+                  "taints": []})
     return nodes
 
 
@@ -181,6 +285,8 @@ class KubeCluster:
         self.bin = tools_dir() / "bin"
         self.stages = tools_dir() / "kwok-stages"
         self.processes: dict[str, subprocess.Popen] = {}
+        self._stopping = threading.Event()
+        self.vgpu_report_period = VGPU_REPORT_PERIOD
         self.token = secrets.token_hex(16)
         self.port = 0  # picked as it starts
         self.url = ""
@@ -266,19 +372,179 @@ class KubeCluster:
                   # its kubelet server (HTTPS), which the nodes advertise: the API server reads pods' logs there
                   "--server-address", f"127.0.0.1:{kubelet_port}", "--node-port", str(kubelet_port))
 
-        self.kubectl("apply", "--server-side", "-f", str(VOLCANO_CRDS))
-        _wait("Volcano's CRDs", lambda: all(
-            session.get(f"{self.url}/apis/{group}/{version}/{plural}", timeout=3).ok
-            for group, version, plural in (("scheduling.volcano.sh", "v1beta1", "queues"),
-                                           ("scheduling.volcano.sh", "v1beta1", "podgroups"),
-                                           ("batch.volcano.sh", "v1alpha1", "jobs"))), 30)
+        self._start_volcano(session)
         _wait("the default service account", lambda: session.get(
             f"{self.url}/api/v1/namespaces/default/serviceaccounts/default", timeout=3).ok, 60,
             self.processes["kube-controller-manager"], self.base / "kube-controller-manager.log")
         self.started_in = time.monotonic() - began
         return self
 
+    def _start_volcano(self, session: requests.Session) -> None:
+        """Volcano's CRDs and ValidatingAdmissionPolicies from its release source (its chart installs the same
+        files; its MutatingAdmissionPolicies are off in its chart by default, and no webhook runs), then
+        vc-controller-manager and vc-scheduler out of cluster with this cluster's kubeconfig, leader election
+        off, health checks on loopback ports, and the chart's scheduler configuration."""
+        chart = volcano_dir() / "src" / VOLCANO_CHART
+        # the chart's CRDs and its jobflow subchart's (vc-controller-manager waits for every informer it starts)
+        for crds in (chart / "crd" / "bases", chart / "charts" / "jobflow" / "crd" / "bases"):
+            self.kubectl("apply", "--server-side", "-f", str(crds))
+        _wait("Volcano's CRDs", lambda: all(
+            session.get(f"{self.url}/apis/{group}/{version}/{plural}", timeout=3).ok
+            for group, version, plural in (("scheduling.volcano.sh", "v1beta1", "queues"),
+                                           ("scheduling.volcano.sh", "v1beta1", "podgroups"),
+                                           ("batch.volcano.sh", "v1alpha1", "jobs"))), 30)
+        for policy in sorted((chart / "policy").glob("*-validating.yaml")):
+            self.kubectl("apply", "--server-side", "-f", str(policy))
+        # vc-scheduler watches the FOLDER of --scheduler-conf and reloads on every write there: a folder of its own
+        conf_dir = self.base / "volcano-scheduler"
+        conf_dir.mkdir()
+        shutil.copy(SCHEDULER_CONF, conf_dir / SCHEDULER_CONF.name)
+        volcano_bin = volcano_dir() / "bin"
+        controllers_health = _free_ports(2)
+        controllers = self._run_from(
+            volcano_bin, "vc-controller-manager", "--kubeconfig", str(self.kubeconfig), "--leader-elect=false",
+            "--enable-healthz", "--healthz-address", f"127.0.0.1:{controllers_health}",
+            "--listen-address", f"127.0.0.1:{controllers_health + 1}", "--v=2")
+        scheduler_health = _free_ports(2)
+        scheduler = self._run_in_cluster_from(
+            volcano_bin, "vc-scheduler", "--kubeconfig", str(self.kubeconfig), "--leader-elect=false",
+            "--scheduler-conf", str(conf_dir / SCHEDULER_CONF.name),
+            "--enable-healthz", "--healthz-address", f"127.0.0.1:{scheduler_health}",
+            "--listen-address", f"127.0.0.1:{scheduler_health + 1}", "--cache-dump-dir", str(self.base),
+            "--v=3")
+        for name, port, process in (("vc-controller-manager", controllers_health, controllers),
+                                    ("vc-scheduler", scheduler_health, scheduler)):
+            _wait(name, lambda port=port: requests.get(f"http://127.0.0.1:{port}/healthz", timeout=3).ok, 60,
+                  process, self.base / f"{name}.log")
+        # vc-scheduler makes the `root` and `default` queues once its caches are synced
+        _wait("vc-scheduler's root and default queues", lambda: all(
+            session.get(f"{self.url}/apis/scheduling.volcano.sh/v1beta1/queues/{queue}", timeout=3).ok
+            for queue in ("root", "default")), 60, scheduler, self.base / "vc-scheduler.log")
+        self._logs_watch = threading.Thread(target=self._forget_logs_of_deleted_pods, daemon=True,
+                                            name="kwok-logs-of-deleted-pods")
+        self._logs_watch.start()
+        self._vgpu_reports = threading.Thread(target=self._report_vgpu_nodes, daemon=True,
+                                              name="volcano-vgpu-device-plugin-reports")
+        self._vgpu_reports.start()
+        self._vgpu_allocations = threading.Thread(target=self._allocate_vgpu_pods, daemon=True,
+                                                  name="volcano-vgpu-device-plugin-allocations")
+        self._vgpu_allocations.start()
+
+    def _allocate_vgpu_pods(self) -> None:
+        """The other part of Volcano's vGPU device plugin that Volcano's scheduler depends on: when the kubelet
+        admits a pod that Volcano's deviceshare bound with a vGPU assignment (`volcano.sh/bind-phase:
+        allocating`), the plugin hands the card to the container and marks the assignment done
+        (`volcano.sh/bind-phase: success`). Volcano strips the assignment of a pod not so marked whenever its
+        session gives the pod's place up (`vgpu.GPUDevices.Release`, a PATCH of the pod); on a preemption victim
+        that PATCH races the evictor's status update of the same pod, which then fails on a conflict and the
+        victim is never evicted. Done here as soon as the pod is bound (`vgpu_bound`)."""
+        session = self.api()
+        while not self._stopping.wait(0.2):
+            try:
+                pods = session.get(f"{self.url}/api/v1/pods", params={"fieldSelector": "spec.nodeName!="},
+                                   timeout=10).json().get("items", [])
+                for pod in pods:
+                    meta = pod["metadata"]
+                    if (meta.get("annotations") or {}).get(VGPU_BIND_PHASE) == "allocating":
+                        session.patch(f"{self.url}/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                                      json={"metadata": {"annotations": {VGPU_BIND_PHASE: "success"}}},
+                                      headers={"Content-Type": "application/merge-patch+json"}, timeout=10)
+            except (requests.RequestException, ValueError):
+                continue  # the API server busy or going: the next round
+
+    def _report_vgpu_nodes(self) -> None:
+        """The part of Volcano's vGPU device plugin that Volcano's scheduler depends on and no kubelet here runs:
+        on every node it registered (`volcano.sh/node-vgpu-register`), it re-reports that registration on a
+        period (the real plugin every 30 s: `volcano.sh/node-vgpu-handshake` = "Reported <time>"; here every
+        `vgpu_report_period` s, `VGPU_REPORT_PERIOD` unless changed). Volcano's scheduler needs it: v1.14.4
+        counts a vGPU pod's share of its card twice (its deviceshare `Allocate` adds it to the device state its
+        cache shares with the session, then the cache adds the bound pod's `volcano.sh/vgpu-ids-new` again:
+        volcano-sh/volcano#4809), and only a node update makes its cache rebuild the node's cards from the
+        registration and count each pod on them once. Without the reports the third 0.25 share of a card waits
+        forever."""
+        session = self.api()
+        while not self._stopping.wait(self.vgpu_report_period):
+            try:
+                nodes = session.get(f"{self.url}/api/v1/nodes", timeout=10).json().get("items", [])
+                for node in nodes:
+                    if "volcano.sh/node-vgpu-register" in (node["metadata"].get("annotations") or {}):
+                        session.patch(f"{self.url}/api/v1/nodes/{node['metadata']['name']}", json={
+                            "metadata": {"annotations": {"volcano.sh/node-vgpu-handshake": _reported_now()}}},
+                            headers={"Content-Type": "application/merge-patch+json"}, timeout=10)
+            except (requests.RequestException, ValueError):
+                continue  # the API server busy or going: the next period
+
+    def _run_in_cluster_from(self, folder: Path, name: str, *args: str) -> subprocess.Popen:
+        """`_run_from`, with what a pod of the cluster finds: Volcano's device plugins (deviceshare: the vGPU
+        assignment it writes on a pod) make their own client from the in-cluster configuration only
+        (`rest.InClusterConfig`: KUBERNETES_SERVICE_HOST/PORT and the service account's token and CA at
+        /var/run/secrets/kubernetes.io/serviceaccount). The process gets them in a mount namespace of its own
+        (a tmpfs over /run there; nothing on this machine's /run changes): the admin's token and the API
+        server's certificate."""
+        account = self.base / "serviceaccount"
+        account.mkdir(exist_ok=True)
+        (account / "token").write_text(self.token)
+        shutil.copy(self.ca, account / "ca.crt")
+        (account / "namespace").write_text("volcano-system")
+        inside = "/run/secrets/kubernetes.io/serviceaccount"
+        script = (f'mount -t tmpfs tmpfs /run && mkdir -p {inside} && cp "$0"/token "$0"/ca.crt "$0"/namespace '
+                  f'{inside}/ && exec "$@"')
+        unshare = ["unshare", "--mount", "--propagation", "private",
+                   *(["--map-root-user"] if os.getuid() != 0 else [])]
+        env = {**os.environ, "KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(self.port)}
+        with (self.base / f"{name}.log").open("wb") as log:
+            process = subprocess.Popen([*unshare, "sh", "-c", script, str(account), str(folder / name), *args],
+                                       stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       start_new_session=True, env=env)
+        self.processes[name] = process
+        return process
+
+    def _run_from(self, folder: Path, name: str, *args: str) -> subprocess.Popen:
+        with (self.base / f"{name}.log").open("wb") as log:
+            process = subprocess.Popen([str(folder / name), *args], stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        self.processes[name] = process
+        return process
+
+    def _forget_logs_of_deleted_pods(self) -> None:
+        """KWOK keys container logs by pod name (its `Logs` object), a kubelet by pod uid; Volcano's job
+        controller names a Job's pods the same on every restart. When a pod whose log `container_log` set up is
+        deleted, its `Logs` goes at once (its file names the pod's uid), before the next pod of that name can
+        run: the new pod's log is not the last one's."""
+        session = self.api()
+        version = ""
+        while not self._stopping.is_set():
+            try:
+                with session.get(f"{self.url}/api/v1/pods", params={
+                        "watch": "1", "resourceVersion": version, "allowWatchBookmarks": "true",
+                        "timeoutSeconds": "30"}, stream=True, timeout=(5, 60)) as reply:
+                    if reply.status_code == 410:
+                        version = ""
+                        continue
+                    for line in reply.iter_lines():
+                        event = json.loads(line)
+                        if event["type"] == "ERROR":
+                            version = ""
+                            break
+                        meta = event["object"]["metadata"]
+                        version = meta.get("resourceVersion", version)
+                        if event["type"] == "DELETED":
+                            self._forget_log(session, meta)
+            except (requests.RequestException, ValueError):
+                if self._stopping.wait(0.5):
+                    return
+
+    def _forget_log(self, session: requests.Session, meta: dict) -> None:
+        url = f"{self.url}/apis/kwok.x-k8s.io/v1alpha1/namespaces/{meta['namespace']}/logs/{meta['name']}"
+        logs = session.get(url, timeout=10)
+        if not logs.ok:
+            return
+        files = [entry.get("logsFile", "") for entry in logs.json()["spec"].get("logs", [])]
+        if any(f"_{meta['uid']}_" in name for name in files):
+            session.delete(url, json={"preconditions": {"uid": logs.json()["metadata"]["uid"]}}, timeout=10)
+
     def stop(self) -> None:
+        self._stopping.set()
         for process in reversed(list(self.processes.values())):
             if process.poll() is None:
                 process.terminate()
@@ -340,22 +606,12 @@ class KubeCluster:
                 "spec": {"logs": [{"containers": [container], "logsFile": str(path), "follow": True}]}}))
         return path
 
-    def forget_container_log(self, namespace: str, pod: str, container: str) -> None:
-        """Before a new pod of a used name runs (Volcano names a Job's pods the same on every restart): the last
-        one's `Logs` goes, and KWOK's kubelet server no longer serves its file under that name (KWOK keys logs by
-        pod name, a kubelet by pod uid)."""
-        gone = self.kubectl("delete", "logs.kwok.x-k8s.io", pod, "-n", namespace, "--ignore-not-found", "--wait")
-        if not gone.stdout.strip():
-            return
-        url = f"http://127.0.0.1:{self.kubelet_port}/containerLogs/{namespace}/{pod}/{container}"
-        _wait(f"KWOK to forget the log of {pod}", lambda: requests.get(url, timeout=5).status_code != 200,
-              30)
-
     def add_node(self, name: str, labels: dict[str, str], allocatable: dict[str, str],
-                 taints: list[dict] | None = None) -> dict:
-        """A fake node that KWOK manages (Ready, with the given labels, extended resources and taints)."""
+                 taints: list[dict] | None = None, annotations: dict[str, str] | None = None) -> dict:
+        """A fake node that KWOK manages (Ready, with the given labels, extended resources, taints and
+        annotations: a device plugin's registration, `device_registration`)."""
         node = {"apiVersion": "v1", "kind": "Node",
-                "metadata": {"name": name, "annotations": dict(FAKE_NODE),
+                "metadata": {"name": name, "annotations": {**(annotations or {}), **FAKE_NODE},
                              "labels": {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
                                         "type": "kwok", **labels}},
                 "spec": {"taints": taints or []},
@@ -449,120 +705,6 @@ class PodProcesses(Rounds):
         with (self.workdir / f"{pod['metadata']['name']}.log").open("ab") as log:
             return subprocess.Popen(command, env=env, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True)
-
-
-class VolcanoJobControllerDouble(Rounds):
-    """A double of Volcano's job controller (`vc-controller-manager`, not built here: see the module's
-    docstring), named as one, for one-task Volcano Jobs of `namespace`: what gpupool reads of it and nothing
-    more. Each round it gives a new Job the `Pending` phase, makes the task's pod from the template
-    (`<job>-<task>-0`, with Volcano's `volcano.sh/job-name` label and `volcano.sh/job-retry-count` annotation;
-    the real kube-scheduler's `volcano` profile binds it and KWOK runs it), sets `Running` when the pod runs,
-    and when the pod ends applies the Job's `policies` as Volcano does (an `exitCode` entry first, then the
-    `PodEvicted` event (the pod deleted while it ran, or evicted by its kubelet) or `PodFailed`; `RestartJob`
-    deletes the pod and counts `status.retryCount` up to `maxRetry`, past it the Job `Failed`; `TerminateJob` →
-    `Terminated`; `TaskCompleted`/`CompleteJob` → `Completed`). Its pods have no ownerReferences (KWOK's pod-complete stage would complete any pod a `Job`
-    owns at once), so it deletes the pods of a Job that is gone, as the garbage collector would."""
-
-    API = "/apis/batch.volcano.sh/v1alpha1"
-
-    def __init__(self, cluster: KubeCluster, namespace: str):
-        super().__init__(cluster)
-        self.namespace = namespace
-        self.made: dict[str, int] = {}  # Job uid → the retry whose pod was made
-
-    def _url(self, path: str, core: bool = False) -> str:
-        return f"{self.cluster.url}{'/api/v1' if core else self.API}/namespaces/{self.namespace}/{path}"
-
-    def _status(self, session, job: dict, phase: str, retries: int, **extra) -> None:
-        status = {**(job.get("status") or {}), "state": {"phase": phase}, "retryCount": retries, **extra}
-        reply = session.patch(self._url(f"jobs/{job['metadata']['name']}/status"), json={"status": status},
-                              headers={"Content-Type": "application/merge-patch+json"}, timeout=10)
-        reply.raise_for_status()
-
-    def _round(self, session) -> None:
-        jobs = session.get(self._url("jobs"), timeout=10).json().get("items", [])
-        pods = session.get(self._url("pods", core=True), params={"labelSelector": "volcano.sh/job-name"},
-                           timeout=10).json().get("items", [])
-        by_job: dict[str, dict] = {p["metadata"]["labels"]["volcano.sh/job-name"]: p for p in pods}
-        names = {j["metadata"]["name"] for j in jobs}
-        for name, pod in by_job.items():
-            if name not in names and not pod["metadata"].get("deletionTimestamp"):
-                session.delete(self._url(f"pods/{pod['metadata']['name']}", core=True), timeout=10)
-        for job in jobs:
-            if job["metadata"].get("deletionTimestamp"):
-                continue
-            status = job.get("status") or {}
-            phase = (status.get("state") or {}).get("phase")
-            retries = status.get("retryCount", 0)
-            if phase in ("Completed", "Failed", "Terminated", "Aborted"):
-                continue
-            if phase is None:
-                self._status(session, job, "Pending", 0)
-                continue
-            pod = by_job.get(job["metadata"]["name"])
-            if pod is None and self.made.get(job["metadata"]["uid"]) == retries:
-                # the pod of this retry was made and is gone: evicted (Volcano's preemption deletes it, a drain)
-                self._apply(session, job, None, "PodEvicted", None, retries)
-                continue
-            if pod is None:
-                self._make_pod(session, job, retries)
-                continue
-            if pod["metadata"].get("deletionTimestamp"):
-                continue
-            pod_phase = (pod.get("status") or {}).get("phase")
-            if pod_phase == "Running" and phase != "Running":
-                self._status(session, job, "Running", retries)
-            elif pod_phase == "Succeeded":
-                self._status(session, job, "Completed", retries)
-            elif pod_phase == "Failed":
-                self._failed(session, job, pod, retries)
-
-    def _failed(self, session, job: dict, pod: dict, retries: int) -> None:
-        status = pod.get("status") or {}
-        code = next((c["state"]["terminated"].get("exitCode") for c in status.get("containerStatuses") or []
-                     if "terminated" in (c.get("state") or {})), None)
-        event = "PodEvicted" if status.get("reason") == "Evicted" else "PodFailed"
-        self._apply(session, job, pod, event, code, retries)
-
-    def _apply(self, session, job: dict, pod: dict | None, event: str, code: int | None, retries: int) -> None:
-        policies = job["spec"].get("policies") or []
-        action = next((p["action"] for p in policies if p.get("exitCode") is not None and p["exitCode"] == code),
-                      None) or next((p["action"] for p in policies if p.get("event") == event), None)
-        if action == "RestartJob":
-            if retries + 1 > job["spec"].get("maxRetry", 3):
-                self._status(session, job, "Failed", retries)
-                return
-            if pod is not None:
-                session.delete(self._url(f"pods/{pod['metadata']['name']}", core=True),
-                               params={"gracePeriodSeconds": 0}, timeout=10)
-            self._status(session, job, "Restarting", retries + 1)
-        elif action == "TerminateJob":
-            self._status(session, job, "Terminated", retries, failed=1)
-        else:
-            self._status(session, job, "Failed", retries, failed=1)
-
-    def _make_pod(self, session, job: dict, retries: int) -> None:
-        task = job["spec"]["tasks"][0]
-        template = task["template"]
-        name = job["metadata"]["name"]
-        pod = {"apiVersion": "v1", "kind": "Pod",
-               "metadata": {"name": f"{name}-{task['name']}-0", "namespace": self.namespace,
-                            "labels": {**(template.get("metadata") or {}).get("labels", {}),
-                                       "volcano.sh/job-name": name},
-                            "annotations": {**((template.get("metadata") or {}).get("annotations") or {}),
-                                            "volcano.sh/job-retry-count": str(retries),
-                                            "scheduling.k8s.io/group-name": name}},
-               "spec": template["spec"]}
-        self.cluster.forget_container_log(self.namespace, pod["metadata"]["name"], task["name"])
-        reply = session.post(self._url("pods", core=True), json=pod, timeout=10)
-        if reply.status_code not in (201, 409):  # 409: the last pod is still being deleted; the next round
-            raise RuntimeError(f"pod of {name}: {reply.status_code} {reply.text[:300]}")
-        if reply.status_code == 201:
-            self.made[job["metadata"]["uid"]] = retries
-            self.cluster.container_log(reply.json(), task["name"], [])  # its container's log starts empty
-        if phase := (job.get("status") or {}).get("state", {}).get("phase"):
-            if phase == "Restarting":
-                self._status(session, job, "Pending", retries)
 
 
 def _end(process: subprocess.Popen) -> None:

@@ -1,5 +1,6 @@
 """The Kubernetes mode against the real control plane (tests/kube_cluster.py): etcd, kube-apiserver,
-kube-controller-manager, kube-scheduler and KWOK's fake GPU nodes, built by `make kube-tools`.
+kube-controller-manager, kube-scheduler, KWOK's fake GPU nodes and the real Volcano (vc-scheduler with the
+scheduler configuration gpupool's chart ships, vc-controller-manager), built by `make kube-tools`.
 
 What the API server checks for real here and no schema file did: server-side apply of `gpupool render`'s
 output (and that a second apply changes nothing), the chart's manifests in a server-side dry run, every
@@ -8,9 +9,11 @@ giving pods the priority of their PriorityClass, and GPUKubeSpawner creating, wa
 resourceVersion, label and field selectors as a real API server serves them), re-adopting and deleting a pod
 that the scheduler binds to a fake node of its GPU model and KWOK runs.
 
-Volcano itself cannot run here (its modules are not served by the Go module proxy): pods that name
-`schedulerName: volcano` are bound by the real kube-scheduler's `volcano` profile, a stand-in named as one
-(kube_cluster.VOLCANO_STANDIN); Volcano's queue admission, PodGroups and preemption are not exercised.
+Pods that name `schedulerName: volcano` get their PodGroup from Volcano's controller, are admitted in their
+team's queue and bound by Volcano's scheduler; training jobs are Volcano Jobs that Volcano's job controller
+runs and restarts. The fake nodes are registered as the device plugins register real ones; the 0.25 × H200
+notebook of these tests goes through Volcano's vGPU device plugin (`volcano_policy_copy`: HAMi's own
+backend needs HAMi's scheduler, which Volcano is not).
 """
 
 from __future__ import annotations
@@ -66,6 +69,11 @@ POLICY_SETS = pytest.mark.parametrize("policies", [DEFAULT_POLICY_DIR, EXAMPLES_
 NAMESPACE = "gpupool-users"
 
 
+def volcano_policy_copy(tmp_path: Path, queue_timeout: int, budgets: dict[str, int] | None = None) -> Path:
+    """kube.policy_copy (the example policy, vision's queue timeout and some budgets changed), `kc.under_volcano`."""
+    return kc.under_volcano(kube.policy_copy(tmp_path, queue_timeout, budgets))
+
+
 @pytest.fixture(scope="module")
 def cluster(request):
     problem = kc.missing_tools()
@@ -75,8 +83,10 @@ def cluster(request):
         pytest.skip(problem)
     failures = request.session.testsfailed
     with kc.running_cluster(keep=lambda: request.session.testsfailed > failures) as running:
-        for node in kc.fake_nodes(load_policy(EXAMPLES_DIR)):
-            running.add_node(node["name"], node["labels"], node["allocatable"], node["taints"])
+        policy_dir = running.base / "node-policy"
+        shutil.copytree(EXAMPLES_DIR, policy_dir)
+        for node in kc.fake_nodes(load_policy(kc.under_volcano(policy_dir))):
+            running.add_node(node["name"], node["labels"], node["allocatable"], node["taints"], node["annotations"])
         # Where the time-slicing ConfigMap goes: the NVIDIA GPU operator's namespace, there before gpupool.
         for namespace in (NAMESPACE, "gpu-operator"):
             running.kubectl("create", "namespace", namespace)
@@ -119,19 +129,41 @@ def test_the_engine_is_the_pinned_release_with_volcanos_crds_and_fake_gpu_nodes(
     versions = dict(line.split("=", 1) for line in (ROOT / "kube" / "versions.env").read_text().splitlines()
                     if line and not line.startswith("#"))
     assert cluster.get("/version")["gitVersion"] == versions["KUBERNETES_VERSION"]
+    for binary in kc.VOLCANO_BINARIES:  # Volcano's own version ldflags, as its Makefile sets them
+        said = subprocess.run([str(kc.volcano_dir() / "bin" / binary), "--version"], capture_output=True,
+                              text=True, timeout=60).stdout
+        assert f"Version: {versions['VOLCANO_VERSION']}" in said and versions["VOLCANO_COMMIT"] in said, said
+    # the scheduler configuration the chart ships, the one vc-scheduler reads
+    assert (cluster.base / "volcano-scheduler" / kc.SCHEDULER_CONF.name).read_text() == kc.SCHEDULER_CONF.read_text()
+    policies = {p["metadata"]["name"] for p in cluster.get(
+        "/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies")["items"]}
+    assert {"queue-validation-policy"} <= policies
     crds = {c["metadata"]["name"]: c for c in cluster.get(
         "/apis/apiextensions.k8s.io/v1/customresourcedefinitions")["items"]}
     for name in ("queues.scheduling.volcano.sh", "podgroups.scheduling.volcano.sh", "jobs.batch.volcano.sh"):
         assert {"type": "Established", "status": "True"}.items() <= {
             k: v for c in crds[name]["status"]["conditions"] if c["type"] == "Established" for k, v in c.items()}.items()
     nodes = {n["metadata"]["name"]: n for n in cluster.get("/api/v1/nodes")["items"]}
-    h200 = [n for n in nodes.values() if n["metadata"]["labels"].get("nvidia.com/gpu.product") == "NVIDIA-H200"]
-    assert len(h200) == 2
-    for node in h200:
-        assert node["status"]["allocatable"]["nvidia.com/gpumem-percentage"] == "800"
-        assert node["status"]["allocatable"]["nvidia.com/mig-1g.18gb"] == "56"
+    h200 = {name: n for name, n in nodes.items()
+            if n["metadata"]["labels"].get("nvidia.com/gpu.product") == "NVIDIA-H200"}
+    # one device plugin a node: NVIDIA's (MIG slices, whole cards), HAMi's, Volcano's vGPU one
+    assert sorted(h200) == ["gpu-h200-0", "gpu-h200-1", "gpu-h200-volcano-vgpu-0", "gpu-h200-volcano-vgpu-1"]
+    for node in h200.values():
         ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}
         assert ready["Ready"] == "True"  # KWOK's node stage, no kubelet
+        assert "nvidia.com/gpumem-percentage" not in node["status"]["allocatable"]  # no device plugin's resource
+        assert "nvidia.com/gpucores" not in node["status"]["allocatable"]
+    assert h200["gpu-h200-0"]["status"]["allocatable"]["nvidia.com/mig-1g.18gb"] == "56"
+    hami = nodes["gpu-a100-80gb-hami-0"]  # the A100's HAMi profile's node
+    assert {k: v for k, v in hami["status"]["allocatable"].items() if "/" in k} == {"nvidia.com/gpu": "80"}
+    cards = json.loads(hami["metadata"]["annotations"]["hami.io/node-nvidia-register"])
+    assert len(cards) == 8 and cards[0]["devmem"] == 80 * 1024 and cards[0]["type"] == "NVIDIA-NVIDIA-A100-SXM4-80GB"
+    vgpu = h200["gpu-h200-volcano-vgpu-0"]
+    assert {k: v for k, v in vgpu["status"]["allocatable"].items() if k.startswith("volcano.sh/")} == {
+        "volcano.sh/vgpu-number": "80", "volcano.sh/vgpu-memory": str(8 * 141 * 1024), "volcano.sh/vgpu-cores": "800"}
+    registered = vgpu["metadata"]["annotations"]["volcano.sh/node-vgpu-register"].rstrip(":").split(":")
+    assert len(registered) == 8 and registered[0].split(",")[1:] == ["10", str(141 * 1024), "NVIDIA-NVIDIA-H200",
+                                                                      "true", "hami-core"]
 
 
 # --- what gpupool renders, applied for real ----------------------------------------------------------------------
@@ -147,22 +179,48 @@ def test_render_applies_server_side_and_a_second_apply_changes_nothing(cluster, 
         cluster.kubectl("delete", "--wait", "--ignore-not-found", "-f", "-", input=manifest)
 
 
+def as_applied(stored_object: dict) -> dict:
+    """What gpupool's apply wrote of a stored object: all but its status and the resource version, which Volcano's
+    queue controller changes on its own (a Queue's state), and with only gpupool's entries of its managed fields
+    (an apply that writes anything renews their time)."""
+    kept = {key: value for key, value in stored_object.items() if key != "status"}
+    metadata = dict(kept["metadata"])
+    metadata.pop("resourceVersion", None)
+    metadata["managedFields"] = [entry for entry in metadata.get("managedFields", [])
+                                 if entry.get("manager") == "gpupool"]
+    assert metadata["managedFields"], stored_object["metadata"].get("managedFields")
+    kept["metadata"] = metadata
+    return kept
+
+
 def applied_twice_changes_nothing(cluster, manifest: str, objects: list[dict]) -> None:
     first = cluster.kubectl("apply", "--server-side", "--field-manager", "gpupool", "-f", "-", input=manifest)
     assert "serverside-applied" in first.stdout
-    versions = {(o["kind"], o["metadata"]["name"]): stored(cluster, o)["metadata"]["resourceVersion"]
-                for o in objects}
+    versions = {(o["kind"], o["metadata"]["name"]): as_applied(stored(cluster, o)) for o in objects}
     again = cluster.kubectl("apply", "--server-side", "--field-manager", "gpupool", "-f", "-", input=manifest)
     assert again.returncode == 0
-    assert {(o["kind"], o["metadata"]["name"]): stored(cluster, o)["metadata"]["resourceVersion"]
+    assert {(o["kind"], o["metadata"]["name"]): as_applied(stored(cluster, o))
             for o in objects} == versions  # nothing was written the second time
     queues = [o for o in objects if o["kind"] == "Queue"]
     assert queues
     for queue in queues:  # Volcano's CRD keeps all that gpupool wrote: no field pruned
         assert lost(queue, stored(cluster, queue)) == []
-    diff = cluster.kubectl("diff", "--server-side", "--field-manager", "gpupool", "-f", "-", input=manifest,
-                           check=False)
-    assert diff.returncode == 0 and diff.stdout == ""
+    # What a third apply would write, asked of the API server itself (a server-side dry run): the same as what is
+    # stored, status aside. (`kubectl diff --server-side` compares whole objects: it shows the status Volcano's
+    # controllers write between its read of the live object and its dry run, on a busy machine.)
+    dry = cluster.kubectl("apply", "--server-side", "--field-manager", "gpupool", "--dry-run=server", "-o", "json",
+                          "--show-managed-fields", "-f", "-", input=manifest)
+    answer = json.loads(dry.stdout)
+    would = {(o["kind"], o["metadata"]["name"]): without_times(as_applied(o)) for o in answer.get("items", [answer])}
+    assert would == {(o["kind"], o["metadata"]["name"]): without_times(as_applied(stored(cluster, o)))
+                     for o in objects}
+
+
+def without_times(applied: dict) -> dict:
+    """`as_applied` without the time of gpupool's managed-fields entries (a dry run may stamp its own)."""
+    metadata = dict(applied["metadata"])
+    metadata["managedFields"] = [{k: v for k, v in entry.items() if k != "time"} for entry in metadata["managedFields"]]
+    return {**applied, "metadata": metadata}
 
 
 def test_a_changed_team_priority_needs_its_priority_class_replaced(cluster, tmp_path):
@@ -274,7 +332,7 @@ def real_spawner_config(policy_dir: Path, cluster) -> object:
 @pytest.mark.asyncio
 async def test_a_notebook_pod_runs_on_a_node_of_its_model_is_readopted_and_deleted(
         cluster, kubeconfig, reflectors, ledger, tmp_path, monkeypatch):
-    policies = kube.policy_copy(tmp_path, queue_timeout=60)
+    policies = volcano_policy_copy(tmp_path, queue_timeout=60)
     cluster.kubectl("apply", "--server-side", "-f", "-",
                     input=gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path))
     hub = kube.HubDB(real_spawner_config(policies, cluster))
@@ -284,13 +342,26 @@ async def test_a_notebook_pod_runs_on_a_node_of_its_model_is_readopted_and_delet
 
     pod = cluster.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{spawner.pod_name}")
     node = cluster.get(f"/api/v1/nodes/{pod['spec']['nodeName']}")
-    assert pod["spec"]["schedulerName"] == kc.VOLCANO_STANDIN  # bound by the stand-in for Volcano's scheduler
+    assert pod["spec"]["schedulerName"] == kc.VOLCANO_SCHEDULER
     assert node["metadata"]["labels"]["nvidia.com/gpu.product"] == "NVIDIA-H200"
     assert pod["status"]["phase"] == "Running" and url == f"http://{pod['status']['podIP']}:8888"
     # The Priority admission plugin turned the class into the number `gpupool render` gave it.
     priority_class = cluster.get(f"/apis/scheduling.k8s.io/v1/priorityclasses/{pod['spec']['priorityClassName']}")
     assert pod["spec"]["priority"] == priority_class["value"]
     assert pod["metadata"]["annotations"]["scheduling.volcano.sh/queue-name"] == "vision"
+    # Volcano's controller made the pod's PodGroup in its team's queue; Volcano's scheduler bound it through its
+    # vGPU device plugin (deviceshare), which wrote the card it gave: the node's, with a quarter's MiB and cores.
+    # The type it writes is the request's device vendor, `NVIDIA` (vgpu.NvidiaGPUDevice: fitInDevices writes the
+    # request's type, not the card's `NVIDIA-<model>` the node registered).
+    group_url = (f"/apis/scheduling.volcano.sh/v1beta1/namespaces/{NAMESPACE}/podgroups/"
+                 f"{pod['metadata']['annotations']['scheduling.k8s.io/group-name']}")
+    assert cluster.get(group_url)["spec"]["queue"] == "vision"
+    kc._wait("its PodGroup Running (Volcano's next session)",
+             lambda: cluster.get(group_url)["status"]["phase"] == "Running", 60)
+    assert pod["metadata"]["annotations"]["volcano.sh/vgpu-node"] == node["metadata"]["name"]
+    card, kind, mib, cores = pod["metadata"]["annotations"]["volcano.sh/vgpu-ids-new"].rstrip(":").split(",")
+    assert card.startswith(f"GPU-{node['metadata']['name']}-") and kind == "NVIDIA"
+    assert (int(mib), int(cores)) == (int(141 * 1024 * 0.25), 25)
     (running,) = ledger.open_intervals()
     assert (running.user, running.team, running.profile, running.model, running.share, running.state) == (
         "alice", "vision", "h200-quarter", "H200", Fraction(1, 4), State.RUNNING)
@@ -313,12 +384,18 @@ async def test_a_notebook_pod_runs_on_a_node_of_its_model_is_readopted_and_delet
 @pytest.mark.asyncio
 async def test_each_backends_pod_is_admitted_by_the_api_server_and_bound_to_a_node_that_offers_it(
         cluster, kubeconfig, reflectors, ledger, tmp_path):
+    # The example policy as it is (kube.MANIFESTS is what it renders), less its HAMi profiles: HAMi's pods need
+    # HAMi's scheduler (its extender counts the cores and memory its device plugin registers in a node
+    # annotation), and Volcano's scheduler, this cluster's engine, leaves them Pending.
     policies = kube.policy_copy(tmp_path, queue_timeout=60)
     cluster.kubectl("apply", "--server-side", "-f", "-",
                     input=gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path))
     hub = kube.HubDB(real_spawner_config(policies, cluster))
+    policy = load_policy(policies)
     landed = {}
     for (user, team, slug, image), expected in kube.MANIFESTS.items():
+        if policy.profiles[slug].gpu is not None and policy.profiles[slug].gpu.backend == "hami":
+            continue
         spawner = hub.spawner(user, kube.GROUPS[user])
         await spawner._run_apply_user_options({"profile": slug, **({"image": image} if image else {})})
         await asyncio.wait_for(spawner.start(), 120)
@@ -335,7 +412,61 @@ async def test_each_backends_pod_is_admitted_by_the_api_server_and_bound_to_a_no
     assert not landed["cpu"].startswith(("gpu-h200", "gpu-a100", "gpu-rtx4090"))
     assert landed["h200-mig-1g"].startswith("gpu-h200")
     assert "mig-3g-40gb" in landed["a100-mig-3g"]  # MIG's single strategy: the node labelled by slice
+    assert landed["a100-quarter-vgpu"].startswith("gpu-a100-80gb-volcano-vgpu-")  # Volcano's vGPU plugin's node
     assert ledger.open_intervals() == []
+
+
+@pytest.mark.asyncio
+async def test_four_quarter_h200_notebooks_share_one_card_through_volcanos_vgpu_plugin_and_a_fifth_waits(
+        cluster, kubeconfig, reflectors, ledger, tmp_path):
+    """A node of one H200, registered as Volcano's vGPU device plugin registers it: Volcano's scheduler puts
+    four 0.25 × H200 notebooks on its one card (each pod told which card, and its quarter of MiB and cores), the
+    fifth waits with the scheduler's reason on its spawn page, and runs once one of the four has stopped."""
+    policies = volcano_policy_copy(tmp_path, queue_timeout=240)
+    cluster.kubectl("apply", "--server-side", "-f", "-",
+                    input=gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path))
+    annotations, resources = kc.device_registration("volcano-vgpu", "one-card-h200", 1, 141 * 1024, "NVIDIA-H200")
+    cluster.add_node("one-card-h200", {"nvidia.com/gpu.product": "NVIDIA-H200", "gpupool.io/test-node": "one-card"},
+                     {**kc.NODE_BASICS, **resources}, [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}],
+                     annotations)
+    config = real_spawner_config(policies, cluster)
+    config.GPUKubeSpawner.node_selector = {"gpupool.io/test-node": "one-card"}
+    hub = kube.HubDB(config)
+    spawners = []
+    fifth = None
+    try:
+        for n in range(4):
+            spawner = hub.spawner(f"viewer{n}", ("vision",))
+            await spawner._run_apply_user_options({"profile": "h200-quarter"})
+            await asyncio.wait_for(spawner.start(), 120)
+            spawners.append(spawner)
+        pods = [cluster.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{s.pod_name}") for s in spawners]
+        cards = {p["metadata"]["annotations"]["volcano.sh/vgpu-ids-new"].split(",")[0] for p in pods}
+        assert cards == {"GPU-one-card-h200-00"} and {p["spec"]["nodeName"] for p in pods} == {"one-card-h200"}
+
+        fifth = hub.spawner("viewer4", ("vision",))
+        await fifth._run_apply_user_options({"profile": "h200-quarter"})
+        starting = asyncio.ensure_future(fifth.start())
+        said = await until("the fifth's wait explained on its spawn page", lambda: (
+            status := getattr(fifth, "_gpupool_status", "")) and "Waiting for 0.25 × H200" in status
+            and "waiting for" not in status.split("(", 1)[1] and status)
+        pod = cluster.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{fifth.pod_name}")
+        assert pod["status"]["phase"] == "Pending" and not pod["spec"].get("nodeName")
+        print(f"the fifth notebook's spawn page says: {said}")
+        assert not starting.done()
+
+        spawners[0]._spawn_pending = spawners[0]._start_pending = False
+        await asyncio.wait_for(spawners.pop(0).stop(), 120)
+        await asyncio.wait_for(starting, 120)  # its card has room again: Volcano binds it
+        pod = cluster.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{fifth.pod_name}")
+        assert pod["spec"]["nodeName"] == "one-card-h200" and pod["status"]["phase"] == "Running"
+        spawners.append(fifth)
+        fifth = None
+    finally:
+        for spawner in spawners + ([fifth] if fifth else []):
+            spawner._spawn_pending = spawner._start_pending = False
+            await asyncio.wait_for(spawner.stop(), 120)
+        cluster.kubectl("delete", "node", "one-card-h200", "--wait=false")
 
 
 # --- a real hub with GPUKubeSpawner ------------------------------------------------------------------------------
@@ -358,7 +489,7 @@ def test_a_real_hub_starts_a_notebook_pod_its_user_reaches_which_survives_a_hub_
         cluster, tmp_path, monkeypatch):
     from harness import Hub
 
-    policies = kube.policy_copy(tmp_path, queue_timeout=240)
+    policies = volcano_policy_copy(tmp_path, queue_timeout=240)
     cluster.kubectl("apply", "--server-side", "-f", "-",
                     input=gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path))
     monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))  # what the hub process finds the cluster by
@@ -429,10 +560,14 @@ def test_a_real_hub_starts_a_notebook_pod_its_user_reaches_which_survives_a_hub_
 
 
 def quarter_pod(name: str, priority_class: str) -> dict:
-    """A 0.25 × H200 (HAMi) pod for the tiny node, at `priority_class`, as a deprioritized server's looks."""
-    gpu = {"nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "25", "nvidia.com/gpucores": "25"}
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NAMESPACE},
-            "spec": {"schedulerName": kc.VOLCANO_STANDIN, "priorityClassName": priority_class,
+    """A 0.25 × H200 (Volcano vGPU) pod of team vision for the tiny node, at `priority_class`, as a deprioritized
+    server's looks (Volcano takes victims only among pods marked preemptable)."""
+    gpu = {"volcano.sh/vgpu-number": "1", "volcano.sh/vgpu-memory": str(int(141 * 1024 * 0.25)),
+           "volcano.sh/vgpu-cores": "25"}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {
+                "name": name, "namespace": NAMESPACE,
+                "annotations": {"scheduling.volcano.sh/queue-name": "vision", "volcano.sh/preemptable": "true"}},
+            "spec": {"schedulerName": kc.VOLCANO_SCHEDULER, "priorityClassName": priority_class,
                      "nodeSelector": {"gpupool.io/test-node": "tiny"},
                      "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
                      "containers": [{"name": "notebook", "image": "quay.io/jupyterhub/singleuser:5.3",
@@ -442,26 +577,29 @@ def quarter_pod(name: str, priority_class: str) -> dict:
 @pytest.mark.asyncio
 async def test_the_rendered_priority_classes_let_a_teams_notebook_preempt_deprioritized_work_and_not_back(
         cluster, kubeconfig, reflectors, ledger, tmp_path):
-    """Work past its budget runs in `gpupool-deprioritized` (preemptionPolicy Never, lowest value): the real
-    scheduler's preemption (kube-scheduler's, standing in for Volcano's preempt action) evicts it for a
-    team's notebook that does not fit, and a deprioritized pod that does not fit pushes nobody out."""
-    policies = kube.policy_copy(tmp_path, queue_timeout=120)
+    """Work past its budget runs in `gpupool-deprioritized` (preemptionPolicy Never, lowest value): Volcano's
+    preempt action (the chart's scheduler configuration) evicts it for its team's notebook that does not fit,
+    and a deprioritized pod that does not fit pushes nobody out."""
+    policies = volcano_policy_copy(tmp_path, queue_timeout=120)
     cluster.kubectl("apply", "--server-side", "-f", "-",
                     input=gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path))
-    # A node with room for two quarters (two of HAMi's vGPUs), that only this test's pods select.
-    tiny = {**kc.NODE_BASICS, "nvidia.com/gpu": "2", "nvidia.com/gpumem-percentage": "200",
-            "nvidia.com/gpucores": "200"}
-    cluster.add_node("tiny-h200", {"nvidia.com/gpu.product": "NVIDIA-H200", "gpupool.io/test-node": "tiny"}, tiny,
-                     [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}])
+    # A node with room for two quarters (one card with half an H200's memory, as Volcano's vGPU device plugin
+    # registers it), that only this test's pods select.
+    annotations, resources = kc.device_registration("volcano-vgpu", "tiny-h200", 1, 2 * int(141 * 1024 * 0.25),
+                                                    "NVIDIA-H200")
+    cluster.add_node("tiny-h200", {"nvidia.com/gpu.product": "NVIDIA-H200", "gpupool.io/test-node": "tiny"},
+                     {**kc.NODE_BASICS, **resources}, [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}],
+                     annotations)
     pods = f"{cluster.url}/api/v1/namespaces/{NAMESPACE}/pods"
     session = cluster.api()
     try:
         for n in range(3):
             assert session.post(pods, json=quarter_pod(f"over-budget-{n}", "gpupool-deprioritized"),
                                 timeout=10).status_code == 201
-            if n < 2:
-                kc._wait(f"over-budget-{n} running", lambda n=n: cluster.get(
-                    f"/api/v1/namespaces/{NAMESPACE}/pods/over-budget-{n}")["status"].get("phase") == "Running", 60)
+            if n < 2:  # running, its card taken by the vGPU device plugin (a real pod's is before it runs)
+                kc._wait(f"over-budget-{n} running", lambda n=n: (pod := cluster.get(
+                    f"/api/v1/namespaces/{NAMESPACE}/pods/over-budget-{n}"))["status"].get("phase") == "Running"
+                    and kc.vgpu_bound(pod), 60)
         # The third does not fit, and being deprioritized it preempts nobody: the scheduler says so and waits.
         kc._wait("the third deprioritized pod to be found unschedulable", lambda: any(
             c["type"] == "PodScheduled" and c["status"] == "False" for c in cluster.get(
@@ -488,31 +626,30 @@ async def test_the_rendered_priority_classes_let_a_teams_notebook_preempt_deprio
 
 
 # --- training jobs as Volcano Jobs (gpupool.spawner.kubejobs) ---------------------------------------------------
-# Volcano's job controller is not built here: `kc.VolcanoJobControllerDouble`, a double named as one, makes each
-# Job's pod and applies its policies; the pods are bound by the real kube-scheduler's `volcano` stand-in profile,
-# run and failed by KWOK, and gpupool's job runner reads all of it through the real API server.
+# Volcano's job controller (vc-controller-manager) makes each Job's PodGroup and pod and applies its policies;
+# Volcano's scheduler binds the pods, KWOK runs and fails them, and gpupool's job runner reads all of it through
+# the real API server.
 
 
 @pytest_asyncio.fixture
 async def job_cluster(cluster, tmp_path, ledger):
-    """The example policies rendered and applied, the Volcano job controller double, and the job runner's
-    kubernetes_asyncio clients (the hub's kind: from a kubeconfig)."""
+    """The example policies rendered and applied, and the job runner's kubernetes_asyncio clients (the hub's
+    kind: from a kubeconfig)."""
     from kubernetes_asyncio import client as k8s
     from kubernetes_asyncio import config as k8s_config
 
-    policies = kube.policy_copy(tmp_path, queue_timeout=60)
+    policies = volcano_policy_copy(tmp_path, queue_timeout=60)
     cluster.kubectl("apply", "--server-side", "-f", "-",
                     input=gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path))
     api = await k8s_config.new_client_from_config(config_file=str(cluster.kubeconfig))
-    with kc.VolcanoJobControllerDouble(cluster, NAMESPACE):
-        yield SimpleNamespace(policy=load_policy(policies), custom=k8s.CustomObjectsApi(api),
-                              core=k8s.CoreV1Api(api), store=JobStore(ledger.engine), ledger=ledger)
-        # What a failed test left goes while the double still deletes the pods of Jobs that are gone.
-        for job in cluster.get(f"/apis/batch.volcano.sh/v1alpha1/namespaces/{NAMESPACE}/jobs")["items"]:
-            cluster.api().delete(f"{cluster.url}/apis/batch.volcano.sh/v1alpha1/namespaces/{NAMESPACE}/jobs/"
-                                 f"{job['metadata']['name']}", timeout=10)
-        await until("no job pods left", lambda: not cluster.get(
-            f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector={JOB_ID_LABEL}")["items"])
+    yield SimpleNamespace(policy=load_policy(policies), custom=k8s.CustomObjectsApi(api),
+                          core=k8s.CoreV1Api(api), store=JobStore(ledger.engine), ledger=ledger)
+    # What a failed test left goes: the Volcano Jobs, and their pods with them (the garbage collector)
+    for job in cluster.get(f"/apis/batch.volcano.sh/v1alpha1/namespaces/{NAMESPACE}/jobs")["items"]:
+        cluster.api().delete(f"{cluster.url}/apis/batch.volcano.sh/v1alpha1/namespaces/{NAMESPACE}/jobs/"
+                             f"{job['metadata']['name']}", timeout=10)
+    await until("no job pods left", lambda: not cluster.get(
+        f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector={JOB_ID_LABEL}")["items"])
     await api.close()
 
 
@@ -610,7 +747,7 @@ async def test_a_job_is_a_volcano_job_whose_failures_restart_it_until_its_restar
         pod = await until("the first run's pod Running", lambda: running_pod(cluster, job.id, 0))
         stored_job = volcano_job_of(cluster, job.id)
         assert stored_job["spec"]["queue"] == "vision" and stored_job["spec"]["maxRetry"] == 1 + EVICTION_HEADROOM
-        assert pod["spec"]["schedulerName"] == kc.VOLCANO_STANDIN and pod["spec"]["nodeName"].startswith("gpu-h200")
+        assert pod["spec"]["schedulerName"] == kc.VOLCANO_SCHEDULER and pod["spec"]["nodeName"].startswith("gpu-h200")
         # Billed from Running: the reservation made at admission became a running interval.
         (first,) = await until("run 1 billed", lambda: [i for i in billed_runs(ledger, job.id)
                                                         if i.state == State.RUNNING] or None)
@@ -833,10 +970,10 @@ for _service in c.JupyterHub.services:
 def test_a_job_submitted_with_the_cli_runs_as_a_volcano_job_restarts_outlives_a_hub_restart_and_is_cancelled(
         cluster, tmp_path, monkeypatch):
     """The person's path: `gpupool jobs submit` from a folder, with the user's own token, through the hub's proxy
-    to the jobs service; the real hub's job runner makes the Volcano Job (the job controller double runs it)."""
+    to the jobs service; the real hub's job runner makes the Volcano Job (Volcano's job controller runs it)."""
     from harness import Hub, platform_command
 
-    policies = kube.policy_copy(tmp_path, queue_timeout=240)
+    policies = volcano_policy_copy(tmp_path, queue_timeout=240)
     cluster.kubectl("apply", "--server-side", "-f", "-",
                     input=gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path))
     monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
@@ -865,67 +1002,66 @@ def test_a_job_submitted_with_the_cli_runs_as_a_volcano_job_restarts_outlives_a_
             time.sleep(0.5)
         return value
 
-    with kc.VolcanoJobControllerDouble(cluster, NAMESPACE):
+    hub.start()
+    try:
+        hub.add_user("alice", "vision")
+        token = hub.user_token("alice")
+        said = cli("submit", "--profile", "h200-quarter", "--max-restarts", "1", "--workdir",
+                   "/home/jovyan/project", "--", "python", "train.py")
+        job_id = said.split()[1]
+        assert "no checkpoint folder" in said  # the example policy names no checkpoint claim
+        pod = wait("the job's pod Running", lambda: running_pod(cluster, job_id, 0))
+        cluster.container_log(pod, "train", ["epoch 1 of 3"])
+        assert pod["metadata"]["labels"]["gpupool.io/user"] == "alice"
+        assert {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}["GPUPOOL_JOB_ID"] == job_id
+        # alice's storage as her servers get it: the job works in her home, as her user
+        assert pod["spec"]["volumes"][0] == {"name": "home-alice", "hostPath": {"path": "/srv/homes/alice",
+                                                                                "type": ""}}
+        assert pod["spec"]["containers"][0]["volumeMounts"][0]["mountPath"] == "/home/jovyan"
+        assert pod["spec"]["containers"][0]["workingDir"] == "/home/jovyan/project"
+        assert pod["spec"]["securityContext"] == {"runAsUser": 1000, "fsGroup": 100}
+        assert pod["spec"]["containers"][0]["securityContext"] == {"allowPrivilegeEscalation": False}
+        wait("running", lambda: shown(job_id)["state"] == "running")
+        assert job_id in cli("list") and "running" in cli("list")
+        wait("the pod's output in `gpupool jobs logs`", lambda: "epoch 1 of 3\n" in cli("logs", job_id))
+
+        fail_through_kwok(cluster, pod, 3)
+        job = wait("run 2", lambda: len((j := shown(job_id))["runs"]) == 2 and j["state"] == "running" and j)
+        assert job["restarts"] == 1
+        assert [(r["event"], r["exit_code"], r["counted"]) for r in job["runs"]] == [("failed", 3, True),
+                                                                                    (None, None, False)]
+
+        hub.kill()  # the hub crashes while the job runs, and comes back: the job goes on, its run the same
         hub.start()
+        job = shown(job_id)
+        assert (job["state"], len(job["runs"])) == ("running", 2) and running_pod(cluster, job_id, 1) is not None
+
+        # `gpupool jobs logs --follow` prints run 1's output (its pod deleted by Volcano's restart), then run
+        # 2's as it comes, and ends when the job has ended, with how its last pod ended.
+        pod2 = running_pod(cluster, job_id, 1)
+        follow = subprocess.Popen([str(platform_command(None)), "jobs", "logs", job_id, "--follow"], cwd=folder,
+                                  env={**os.environ, "JUPYTERHUB_API_TOKEN": token,
+                                       "GPUPOOL_HUB_URL": hub.url + "/"},
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            hub.add_user("alice", "vision")
-            token = hub.user_token("alice")
-            said = cli("submit", "--profile", "h200-quarter", "--max-restarts", "1", "--workdir",
-                       "/home/jovyan/project", "--", "python", "train.py")
-            job_id = said.split()[1]
-            assert "no checkpoint folder" in said  # the example policy names no checkpoint claim
-            pod = wait("the job's pod Running", lambda: running_pod(cluster, job_id, 0))
-            cluster.container_log(pod, "train", ["epoch 1 of 3"])
-            assert pod["metadata"]["labels"]["gpupool.io/user"] == "alice"
-            assert {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}["GPUPOOL_JOB_ID"] == job_id
-            # alice's storage as her servers get it: the job works in her home, as her user
-            assert pod["spec"]["volumes"][0] == {"name": "home-alice", "hostPath": {"path": "/srv/homes/alice",
-                                                                                    "type": ""}}
-            assert pod["spec"]["containers"][0]["volumeMounts"][0]["mountPath"] == "/home/jovyan"
-            assert pod["spec"]["containers"][0]["workingDir"] == "/home/jovyan/project"
-            assert pod["spec"]["securityContext"] == {"runAsUser": 1000, "fsGroup": 100}
-            assert pod["spec"]["containers"][0]["securityContext"] == {"allowPrivilegeEscalation": False}
-            wait("running", lambda: shown(job_id)["state"] == "running")
-            assert job_id in cli("list") and "running" in cli("list")
-            wait("the pod's output in `gpupool jobs logs`", lambda: "epoch 1 of 3\n" in cli("logs", job_id))
+            cluster.container_log(pod2, "train", ["resumed: epoch 2 of 3"])
+            wait("run 2's output", lambda: "resumed: epoch 2 of 3" in cli("logs", job_id))
+            assert "epoch 1 of 3\n--- gpupool: pod " in shown(job_id)["log_tail"]  # the job's page and `show`
 
-            fail_through_kwok(cluster, pod, 3)
-            job = wait("run 2", lambda: len((j := shown(job_id))["runs"]) == 2 and j["state"] == "running" and j)
-            assert job["restarts"] == 1
-            assert [(r["event"], r["exit_code"], r["counted"]) for r in job["runs"]] == [("failed", 3, True),
-                                                                                        (None, None, False)]
-
-            hub.kill()  # the hub crashes while the job runs, and comes back: the job goes on, its run the same
-            hub.start()
-            job = shown(job_id)
-            assert (job["state"], len(job["runs"])) == ("running", 2) and running_pod(cluster, job_id, 1) is not None
-
-            # `gpupool jobs logs --follow` prints run 1's output (its pod deleted by Volcano's restart), then run
-            # 2's as it comes, and ends when the job has ended, with how its last pod ended.
-            pod2 = running_pod(cluster, job_id, 1)
-            follow = subprocess.Popen([str(platform_command(None)), "jobs", "logs", job_id, "--follow"], cwd=folder,
-                                      env={**os.environ, "JUPYTERHUB_API_TOKEN": token,
-                                           "GPUPOOL_HUB_URL": hub.url + "/"},
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            try:
-                cluster.container_log(pod2, "train", ["resumed: epoch 2 of 3"])
-                wait("run 2's output", lambda: "resumed: epoch 2 of 3" in cli("logs", job_id))
-                assert "epoch 1 of 3\n--- gpupool: pod " in shown(job_id)["log_tail"]  # the job's page and `show`
-
-                cli("cancel", job_id)
-                printed, errors = follow.communicate(timeout=120)
-            finally:
-                follow.kill()
-            assert follow.returncode == 0, errors
-            assert printed == cli("logs", job_id)
-            assert printed.endswith(f"resumed: epoch 2 of 3\n--- gpupool: pod {pod2['metadata']['name']} "
-                                    "stopped (node-lost) ---\n")
-            assert printed.count("epoch 1 of 3") == 1 and "ended (failed, exit code 3)" in printed
-            job = wait("cancelled", lambda: (j := shown(job_id))["state"] == "cancelled" and j)
-            wait("the Volcano Job deleted", lambda: volcano_job_of(cluster, job_id) is None)
-            wait("its pod deleted", lambda: job_pod(cluster, job_id) is None)
-            ledger = get_ledger(hub.ledger_url)
-            runs = wait("both runs billed to their ends", lambda: all_closed(ledger, job_id, 2))
-            assert [i.how for i in runs] == [HowEnded.FAILED, HowEnded.STOPPED]
+            cli("cancel", job_id)
+            printed, errors = follow.communicate(timeout=120)
         finally:
-            hub.stop()
+            follow.kill()
+        assert follow.returncode == 0, errors
+        assert printed == cli("logs", job_id)
+        assert printed.endswith(f"resumed: epoch 2 of 3\n--- gpupool: pod {pod2['metadata']['name']} "
+                                "stopped (node-lost) ---\n")
+        assert printed.count("epoch 1 of 3") == 1 and "ended (failed, exit code 3)" in printed
+        job = wait("cancelled", lambda: (j := shown(job_id))["state"] == "cancelled" and j)
+        wait("the Volcano Job deleted", lambda: volcano_job_of(cluster, job_id) is None)
+        wait("its pod deleted", lambda: job_pod(cluster, job_id) is None)
+        ledger = get_ledger(hub.ledger_url)
+        runs = wait("both runs billed to their ends", lambda: all_closed(ledger, job_id, 2))
+        assert [i.how for i in runs] == [HowEnded.FAILED, HowEnded.STOPPED]
+    finally:
+        hub.stop()
