@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import re
 import shutil
-from datetime import timedelta
-from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -19,21 +17,10 @@ import requests
 
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.hub.accounting.periods import period_of, utcnow
+from accounting_seed import POLICY as SEEDED_POLICY, seed
 from harness import Hub
 
-POLICY = {
-    "policy.yaml": """
-models:
-  H200: {vendor: nvidia, memory_gib: 141, backends: [hami]}
-inventory: [{model: H200, count: 2}]
-teams:
-  vision: {members: [alice, lena], leads: [lena], budget: {gpu_hours: 100}}
-  nlp: {members: [nadia], budget: {gpu_hours: 1, on_exhausted: deny}}
-profiles:
-  h200-quarter: {display_name: 0.25 × H200, gpu: {model: H200, share: 0.25}, teams: [vision, nlp]}
-billing: {prices: {H200: '3.20'}}
-""",
-}
+POLICY = {"policy.yaml": SEEDED_POLICY}
 PASSWORD = "a-test-password"
 # Browsers log in with JupyterHub's DummyAuthenticator (as in test_mlflow_service.py); tokens work as before.
 SELF = ('c.LocalGPUSpawner.run_as = "self"\n'
@@ -48,26 +35,8 @@ SCREENSHOTS = REPO_ROOT / "docs" / "screenshots"
 def hub(tmp_path_factory):
     hub = Hub(tmp_path_factory.mktemp("accounting"), POLICY, SELF, mlflow=False)
     hub.start()
-    now = utcnow().replace(microsecond=0)
-    # Two finished intervals and a running one, all this month (the first hours of a month are enough).
-    start = max(now - timedelta(hours=10), now.replace(day=1, hour=0, minute=0, second=0))
     ledger = Ledger(hub.ledger_url)
-    ledger.open_interval("alice-1", "alice", "vision", "h200-quarter", "H200", Fraction(1, 4), start)
-    ledger.close_interval("alice-1", start + timedelta(seconds=7200), "stopped")  # 0.5 GPU-h
-    ledger.open_interval("lena-1", "lena", "vision", "h200-quarter", "H200", Fraction(1, 4), start)
-    ledger.close_interval("lena-1", start + timedelta(seconds=3600), "stopped")  # 0.25 GPU-h
-    # Reserving 4 hours: nlp's 1 GPU-hour budget counts as used from the start, however early in the month this runs.
-    ledger.open_interval("nadia-1", "nadia", "nlp", "h200-quarter", "H200", Fraction(1, 4), start,
-                         reserve=timedelta(hours=4))
-    # A run of lena's that queued 30 s and ended at once: a queue wait on record, no GPU-hours.
-    ledger.keep_run("lena/@seeded", "lena", "vision", "h200-quarter", "H200", Fraction(1, 4), start, start,
-                    queue_wait=timedelta(seconds=30))
-    ledger.close_run("lena/@seeded", start, "stopped")
-    # Three of alice's runs placed at once (a wait of 0 s on record): they did not wait, and must not count.
-    for n in range(3):
-        ledger.keep_run(f"alice/@at-once-{n}", "alice", "vision", "h200-quarter", "H200", Fraction(1, 4), start,
-                        start, queue_wait=timedelta(0))
-        ledger.close_run(f"alice/@at-once-{n}", start, "stopped")
+    seed(ledger)
     ledger.dispose()
     yield hub
     hub.stop()
