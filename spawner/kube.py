@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import copy
 import json
 from collections.abc import Awaitable, Mapping
@@ -247,6 +248,11 @@ class PodGroupEventReflector(EventReflector):
 # --- the spawner ---------------------------------------------------------------------------------------------
 
 
+#: True inside `GPUKubeSpawner._make_create_pod_request` (in the spawn's own task only): a `stop()` it makes is
+#: KubeSpawner replacing a left-over pod, while the user's Stop comes from another task and is a stop.
+_CREATING_POD: contextvars.ContextVar[bool] = contextvars.ContextVar("gpupool_creating_pod", default=False)
+
+
 class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
     """Spawns each server as a pod holding a GPU share, queued by Volcano in its team's queue."""
 
@@ -289,6 +295,9 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
     _gpupool_status: str | None = None
     _gpupool_waiting: Reason | None = None  # the code of the wait `_gpupool_status` tells of
     _gpupool_stopping = False
+    #: Set when KubeSpawner deleted a pod of this server's name left over from before (its create's 409 path):
+    #: the queue watch then waits for the new pod instead of taking the old one's going for a deletion.
+    _gpupool_replaced_leftover = False
 
     @default("automount_service_account_token")
     def _default_automount_service_account_token(self):
@@ -399,7 +408,13 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
 
     async def _make_create_pod_request(self, pod, request_timeout):
         # `modify_pod_hook` runs between get_pod_manifest() and here: sanitize once more before it is sent.
-        return await super()._make_create_pod_request(self.sanitize(pod), request_timeout)
+        # On a 409 (a pod of this name is left over: a hub that lost track of it) KubeSpawner deletes that pod
+        # with `stop(now=True)` and creates again; inside this call, that stop is not the user's (`stop`).
+        replacing = _CREATING_POD.set(True)
+        try:
+            return await super()._make_create_pod_request(self.sanitize(pod), request_timeout)
+        finally:
+            _CREATING_POD.reset(replacing)
 
     # --- the queue ---------------------------------------------------------------------------------------
 
@@ -496,7 +511,7 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
         group_events = await self._gpupool_reflector(
             "podgroup-events", PodGroupEventReflector, fields={"involvedObject.kind": "PodGroup"})
         ref_key = f"{self.namespace}/{self.pod_name}"
-        seen = False
+        seen = None  # the uid of the pod of this name the wait has seen
         admitted_at = None
         reason = "waiting for Volcano to take it into the queue"
         while True:
@@ -504,11 +519,16 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
                 raise self._refuse(f'{wanted.display_name}: stopped while waiting in queue "{wanted.queue}"',
                                   Reason.CANCELLED)
             pod = pods.resources.get(ref_key)
-            if pod is None and seen:
+            uid = ((pod or {}).get("metadata") or {}).get("uid")
+            if seen is not None and uid != seen and self._gpupool_replaced_leftover:
+                # The pod seen was one left over from before, which KubeSpawner replaced: what was seen of it
+                # (its queue admission) is not this spawn's; ours comes next.
+                seen = admitted_at = self._gpupool_admitted_at = None
+                self._gpupool_replaced_leftover = False
+            elif pod is None and seen is not None:
                 raise self._refuse(f"{wanted.display_name}: the pod was deleted while it waited in queue "
                                   f'"{wanted.queue}"', Reason.CANCELLED)
-            seen = seen or pod is not None
-            uid = ((pod or {}).get("metadata") or {}).get("uid")
+            seen = seen or uid
             name = podgroups.podgroup_name(uid) if uid else None
             all_groups = list(groups.resources.values()) if groups else []
             group = next((g for g in all_groups if (g.get("metadata") or {}).get("name") == name
@@ -632,7 +652,7 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
     async def _start(self):
         await self.load_user_options()  # an invalid choice is refused here, before any API call
         choice = self.gpupool_choice
-        self._gpupool_stopping = False
+        self._gpupool_stopping = self._gpupool_replaced_leftover = False
         self._gpupool_admitted_at = None
         self._gpupool_waiting = None
         asked = periods.utcnow()
@@ -676,6 +696,13 @@ class GPUKubeSpawner(GPUPoolSpawnerMixin, KubeSpawner):
                         await task
 
     async def stop(self, now=False):
+        if _CREATING_POD.get():
+            # KubeSpawner replacing a pod of this server's name left over from before, not a stop of this spawn:
+            # its wait, its holding and its usage go on once the old pod is gone.
+            self.log.info("gpupool: replacing the pod %s left over from an earlier server", self.pod_name)
+            self._gpupool_replaced_leftover = True
+            await super().stop(now=now)
+            return
         self._gpupool_stopping = True  # a spawn still waiting in the queue ends with a clear message
         self.see_usage()  # seen running as the stop begins: a slow deletion is not mistaken for a lost pod
         try:

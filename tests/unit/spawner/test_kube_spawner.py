@@ -913,6 +913,38 @@ async def test_a_pod_deleted_behind_the_spawners_back_ends_the_wait(cluster, tmp
 
 
 @pytest.mark.asyncio
+async def test_a_pod_left_over_under_the_servers_name_is_replaced_and_the_spawn_goes_on(cluster, tmp_path, ledger):
+    # A pod of this server's name from before (a hub that lost track of it): KubeSpawner's create gets a 409,
+    # deletes that pod with stop(now=True) and creates again. That stop is not the user's: the spawn goes on.
+    hub = HubDB(spawner_config(policy_copy(tmp_path, queue_timeout=30), cluster.url))
+    spawner = hub.spawner("alice", ("vision",))
+    await spawner._run_apply_user_options({"profile": "h200-quarter"})
+    await cluster.core.create_namespaced_pod(NAMESPACE, {
+        "metadata": {"name": spawner.pod_name, "namespace": NAMESPACE},
+        "spec": {"containers": [{"name": "notebook", "image": "quay.io/jupyterhub/singleuser:5.3"}]}})
+    left_over = (await cluster.pod_named(spawner.pod_name))["metadata"]["uid"]
+    started, events, progress = begin_spawn(hub, spawner)
+    deadline = asyncio.get_running_loop().time() + 10
+    while (cluster.object("pods", spawner.pod_name) or {}).get("metadata", {}).get("uid") in (None, left_over):
+        assert asyncio.get_running_loop().time() < deadline and not started.done(), (
+            "the left-over pod was never replaced", started.done() and started.exception())
+        await asyncio.sleep(0.02)
+    ours = cluster.object("pods", spawner.pod_name)
+    assert ours["metadata"]["annotations"]["scheduling.volcano.sh/queue-name"] == "vision"
+    await wait_for_message(events, "Waiting for")
+    await cluster.podgroup(podgroups.podgroup_name(ours["metadata"]["uid"]), "vision", "gpupool-vision",
+                           rfc3339(datetime.now(UTC)), "Running")
+    await cluster.run_pod(spawner.pod_name)
+    assert await asyncio.wait_for(started, 10) == "http://127.0.0.1:8888"
+    await asyncio.wait_for(progress, 5)
+    (running,) = ledger.open_intervals()
+    assert (running.user, running.state) == ("alice", State.RUNNING)  # not closed as stopped by the replacement
+    spawner._spawn_pending = spawner._start_pending = False
+    await spawner.stop(now=True)
+    assert ledger.interval(running.key).how == HowEnded.STOPPED and ledger.open_intervals() == []
+
+
+@pytest.mark.asyncio
 async def test_without_volcanos_podgroups_the_wait_is_still_explained(cluster, tmp_path):
     # No PodGroup CRD (or no permission to read it): no position, but the pod's own scheduling reason.
     del cluster.api.resources["scheduling.volcano.sh/v1beta1/podgroups"]
