@@ -59,7 +59,9 @@ def seen_by_culler(hub: Hub, token: str) -> dict:
 
 def looked_at(hub: Hub, user: str, token: str, moment: datetime, timeout: float = 120) -> dict:
     """`user`'s server as a look of the culler at `moment` or later saw it; {} once the hub runs it no more."""
-    floor = moment.replace(microsecond=0)  # the ledger keeps whole seconds
+    # The ledger keeps whole seconds: a row stamped with the second `moment` falls in may come from a look that
+    # began before `moment` (before what the test just did, such as a keep), so the next whole second it is.
+    floor = moment.replace(microsecond=0) + (timedelta(seconds=1) if moment.microsecond else timedelta(0))
 
     def seen():
         row = seen_by_culler(hub, token)
