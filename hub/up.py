@@ -83,7 +83,8 @@ def up(args: argparse.Namespace) -> int:
         wanted[args.port + 4] = "MLflow"
     taken = lifecycle.ports_in_use(wanted)
     if taken:
-        print(f"gpupool up: port {', '.join(taken)} is in use by another program; stop it, or choose another "
+        which = f"port {taken[0]} is" if len(taken) == 1 else f"ports {', '.join(taken)} are"
+        print(f"gpupool up: {which} in use by another program; stop it, or choose another "
               f"--port (gpupool uses PORT to PORT+6)", file=sys.stderr)
         return 1
     password = prepare_state(state, args.admin_password_file)

@@ -9,6 +9,7 @@ The supervisor tests run `python -m gpupool.hub.lifecycle` under a stand-in pare
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -143,16 +144,32 @@ def test_gpupool_up_refuses_a_second_platform_on_the_same_state_folder(tmp_path)
         holder.kill()
 
 
+def free_base_port() -> int:
+    """A PORT whose PORT..PORT+6 are free right now, as far as this machine can tell."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1] - 3
+        if base > 1024 and not lifecycle.ports_in_use({base + offset: "" for offset in range(7)}):
+            return base
+
+
 def test_gpupool_up_refuses_ports_another_program_holds(tmp_path):
+    port = free_base_port()
     with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", 0))
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", port + 3))  # where gpupool would put its accounting service
         squatter.listen()
-        port = squatter.getsockname()[1] - 3  # where gpupool would put its accounting service
         done = subprocess.run([GPUPOOL, "up", "--state-dir", str(tmp_path / "state"), "--port", str(port)],
                               capture_output=True, text=True, timeout=120,
                               env={**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg")})
     assert done.returncode == 1, done.stderr
-    assert f"port {port + 3} (the accounting service) is in use by another program" in done.stderr
+    # Another program on this busy machine may hold one more of the seven ports in the meantime: then the message
+    # names both, as "ports A (...), B (...) are in use"; the squatted one is always named.
+    named = re.search(r"gpupool up: ports? (.*) (?:is|are) in use by another program", done.stderr)
+    assert named, done.stderr
+    assert f"{port + 3} (the accounting service)" in named.group(1).split(", "), done.stderr
+    assert not (tmp_path / "state" / "admin.bcrypt").exists(), "nothing of the platform is written"
 
 
 POLICY = {
