@@ -8,6 +8,13 @@
 # $GPUPOOL_KUBE_CACHE/volcano-<version>/ (src/: the unpacked tree, whose CRDs, admission policies and chart the
 # tests read; bin/). An archive with another sha256 is refused; a missing one is said (with where it comes
 # from) and skipped: the tests that need Volcano then skip, naming it.
+# Then Apache YuniKorn's scheduler (issue 37), from its three release archives in the same folder, the same way,
+# into $GPUPOOL_KUBE_CACHE/yunikorn-<version>/ (src/: the unpacked k8shim, core and scheduler interface; bin/).
+# Its REST server's address is hard-coded in core (":9080", every interface): the unpacked core is patched here
+# to listen on 127.0.0.1 only, on the port of $YUNIKORN_REST_PORT (9080 when unset), so that a test's scheduler
+# is never open on the machine's interfaces and several can run side by side. A network namespace of its own
+# (`unshare -n`) would also keep it off the interfaces, but the scheduler must reach the API server on this
+# machine's loopback, which a new namespace does not have: the patch is the simpler of the two.
 #
 # `go install pkg@version` refuses modules with replace directives (Kubernetes' staging modules, etcd's
 # sibling modules), so each is built from a small wrapper module that requires the release and replaces every
@@ -34,7 +41,12 @@ volcano_complete() {
 }
 if [[ "${1:-}" == "--print-dir" ]]; then echo "$dest"; exit 0; fi
 if [[ "${1:-}" == "--print-volcano-dir" ]]; then echo "$vdest"; exit 0; fi
-if complete && volcano_complete; then echo "kube-tools: up to date in $dest/bin and $vdest/bin"; exit 0; fi
+ydest="$cache/yunikorn-$YUNIKORN_VERSION"
+yunikorn_complete() { [[ -x "$ydest/bin/yunikorn-scheduler" && -f "$ydest/src/.complete" ]]; }
+if [[ "${1:-}" == "--print-yunikorn-dir" ]]; then echo "$ydest"; exit 0; fi
+if complete && volcano_complete && yunikorn_complete; then
+  echo "kube-tools: up to date in $dest/bin, $vdest/bin and $ydest/bin"; exit 0
+fi
 command -v go >/dev/null || { echo "kube-tools: the Go toolchain is needed (go on PATH)"; exit 1; }
 
 export CGO_ENABLED=0 GOFLAGS=-mod=mod GOTOOLCHAIN=local
@@ -137,5 +149,63 @@ if ! volcano_complete; then
     touch "$vdest/src/.complete"
   fi
 fi
+
+# YuniKorn: the k8shim with `replace` lines pointing at the unpacked core and scheduler interface (the Go proxy
+# refuses their module paths); the rest of its go.mod is its own (it already pins the k8s.io modules).
+if ! yunikorn_complete; then
+  missing=()
+  for a in "$YUNIKORN_SHIM_ARCHIVE" "$YUNIKORN_CORE_ARCHIVE" "$YUNIKORN_SI_ARCHIVE"; do
+    [[ -f "$upstream/$a" ]] || missing+=("$a")
+  done
+  if (( ${#missing[@]} )); then
+    echo "kube-tools: ${missing[*]} missing in $upstream: YuniKorn is not built and the tests that need it skip." >&2
+    echo "  They are \`git archive\` of the public tags apache/yunikorn-k8shim $YUNIKORN_VERSION (commit $YUNIKORN_COMMIT)," >&2
+    echo "  yunikorn-core and yunikorn-scheduler-interface (sha256 in kube/versions.env)." >&2
+  else
+    for pair in "$YUNIKORN_SHIM_ARCHIVE:$YUNIKORN_SHIM_SHA256" "$YUNIKORN_CORE_ARCHIVE:$YUNIKORN_CORE_SHA256" \
+                "$YUNIKORN_SI_ARCHIVE:$YUNIKORN_SI_SHA256"; do
+      a="${pair%%:*}"; want="${pair#*:}"
+      got="$(sha256sum "$upstream/$a" | cut -d' ' -f1)"
+      if [[ "$got" != "$want" ]]; then
+        echo "kube-tools: refusing $upstream/$a: its sha256 is $got, kube/versions.env pins $want" >&2
+        exit 1
+      fi
+    done
+    step "YuniKorn $YUNIKORN_VERSION: unpacking the k8shim, core and scheduler interface"
+    rm -rf "$ydest/src" && mkdir -p "$ydest/src/k8shim" "$ydest/src/core" "$ydest/src/si" "$ydest/bin"
+    tar -xzf "$upstream/$YUNIKORN_SHIM_ARCHIVE" -C "$ydest/src/k8shim" --strip-components=1
+    tar -xzf "$upstream/$YUNIKORN_CORE_ARCHIVE" -C "$ydest/src/core" --strip-components=1
+    tar -xzf "$upstream/$YUNIKORN_SI_ARCHIVE" -C "$ydest/src/si" --strip-components=1
+    # The REST server on loopback, its port from $YUNIKORN_REST_PORT (see the head of this file); the build
+    # stops if core's line is not the one this patch knows.
+    web="$ydest/src/core/pkg/webservice"
+    grep -q 'Addr:              ":9080",' "$web/webservice.go" || {
+      echo "kube-tools: $web/webservice.go no longer binds \":9080\": the loopback patch needs updating" >&2; exit 1; }
+    sed -i 's|Addr:              ":9080",|Addr:              restAddress(),|' "$web/webservice.go"
+    cat > "$web/gpupool_listen.go" <<'GO'
+package webservice
+
+import "os"
+
+// restAddress: patched in by gpupool's kube/build-tools.sh: loopback only, the port from YUNIKORN_REST_PORT.
+func restAddress() string {
+	if port := os.Getenv("YUNIKORN_REST_PORT"); port != "" {
+		return "127.0.0.1:" + port
+	}
+	return "127.0.0.1:9080"
+}
+GO
+    # core's own go.mod needs the interface too (it requires it at the same version)
+    (cd "$ydest/src/core" && go mod edit -replace "github.com/apache/yunikorn-scheduler-interface=../si")
+    (cd "$ydest/src/k8shim" && go mod edit -replace "github.com/apache/yunikorn-core=../core" \
+       -replace "github.com/apache/yunikorn-scheduler-interface=../si")
+    flag=github.com/apache/yunikorn-k8shim/pkg/conf
+    yver="-X $flag.buildVersion=${YUNIKORN_VERSION#v} -X $flag.buildDate=$(date -u +%FT%TZ) -X $flag.isPluginVersion=false -X $flag.goVersion=$(go env GOVERSION) -X $flag.arch=$(go env GOARCH)"
+    step "building yunikorn-scheduler (./pkg/cmd/shim)"
+    (cd "$ydest/src/k8shim" && go build -trimpath -ldflags "-s -w $yver" -o "$ydest/bin/yunikorn-scheduler.tmp" ./pkg/cmd/shim)
+    mv "$ydest/bin/yunikorn-scheduler.tmp" "$ydest/bin/yunikorn-scheduler"
+    touch "$ydest/src/.complete"
+  fi
+fi
 rm -rf "$GOCACHE"
-step "done: $(du -sh "$dest/bin" | cut -f1) of binaries in $dest/bin, $(du -sh "$vdest" 2>/dev/null | cut -f1) in $vdest (Go modules: $(du -sh "$(go env GOMODCACHE)" | cut -f1) in $(go env GOMODCACHE))"
+step "done: $(du -sh "$dest/bin" | cut -f1) of binaries in $dest/bin, $(du -sh "$vdest" 2>/dev/null | cut -f1) in $vdest, $(du -sh "$ydest" 2>/dev/null | cut -f1) in $ydest (Go modules: $(du -sh "$(go env GOMODCACHE)" | cut -f1) in $(go env GOMODCACHE))"
