@@ -26,6 +26,22 @@ def _policy_check(args: argparse.Namespace) -> int:
                                       "until the files are fixed" if in_force else "nothing was changed"),
               file=sys.stderr)
         return 1
+    from gpupool.policies.engines import engine_named, refusals
+
+    if found := refusals(policy):
+        # Kubernetes mode only (the embedded mode has no engine): refused when the policy names its engine or
+        # --kubernetes asks, else said (gpupool.policies.engines).
+        refuse = getattr(args, "kubernetes", False) or engine_named(policy)
+        if not refuse:  # the embedded mode's policy: one line
+            print(f"note: {len(found)} profile{'s' if len(found) > 1 else ''} ({', '.join(r.profile for r in found)}) "
+                  f"cannot work in the Kubernetes mode under settings.engine {policy.settings.engine!r}: "
+                  "`gpupool policy check --kubernetes` says why", file=sys.stderr)
+        for refusal in found if refuse else ():
+            print(f"error: in the Kubernetes mode, {refusal}", file=sys.stderr)
+        if refuse:
+            print(f"{directory}: refused for the Kubernetes mode ({len(found)} profile"
+                  f"{'s' if len(found) > 1 else ''} above); nothing was changed", file=sys.stderr)
+            return 1
     print(f"OK {directory}: {policy.summary()}" + (f" (in force on the platform in {state})" if in_force else ""))
     if in_force:
         from gpupool.hub.up import unlisted_roles
@@ -148,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("directory", nargs="?", help="policy directory (default: the running platform's, which refuses "
                                                     "an invalid change the same way; else the policies shipped with "
                                                     "gpupool)")
+    check.add_argument("--kubernetes", action="store_true",
+                       help="check for the Kubernetes mode: refuse a profile whose share backend the policy's "
+                       "settings.engine cannot place (refused anyway when the policy names its engine)")
     check.set_defaults(func=_policy_check)
     reference = policy_commands.add_parser("reference", help="print the policy file reference (Markdown)")
     reference.set_defaults(func=_policy_reference)

@@ -1,7 +1,8 @@
 """`gpupool render`: the Kubernetes objects gpupool owns, made from a policy directory, written as YAML.
 
-The objects come from the pure builders in `gpupool.spawner.volcano`; this module only loads the policies,
-serializes deterministically and writes to stdout or a folder. `--helm-values` writes the values file that
+The objects come from the pure builders in `gpupool.spawner.volcano` (and `gpupool.spawner.yunikorn` when the
+policy's `settings.engine` is `yunikorn`: its queue configuration in place of Volcano's Queues); this module only
+loads the policies, serializes deterministically and writes to stdout or a folder. `--helm-values` writes the values file that
 carries the same objects into the Helm chart (helm/gpupool).
 """
 
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-plugin-namespace", default="gpu-operator", metavar="NS",
                         help="namespace of the NVIDIA device plugin, where its time-slicing ConfigMap goes "
                         "(default: gpu-operator)")
+    parser.add_argument("--yunikorn-namespace", default="yunikorn", metavar="NS",
+                        help="namespace of Apache YuniKorn, where its yunikorn-configs ConfigMap goes when the "
+                        "policy's settings.engine is yunikorn (default: yunikorn)")
     parser.add_argument("--no-culler", action="store_true",
                         help="leave gpupool's idle culler out of the hub's wiring (its service and role); the "
                         "chart's values then need `culler.enabled: false` (docs/kubernetes.md)")
@@ -94,8 +98,9 @@ def write_folder(folder: Path, files: dict[str, str]) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError, load_policy
-    from gpupool.spawner import volcano
+    from gpupool.policies import DEFAULT_POLICY_DIR, PolicyError, engines, load_policy
+    from gpupool.policies.model import DNS_LABEL
+    from gpupool.spawner import volcano, yunikorn
 
     directory = Path(args.policies) if args.policies else DEFAULT_POLICY_DIR
     try:
@@ -108,18 +113,41 @@ def main(args: argparse.Namespace) -> int:
         # What the cluster gets must be exactly the text that was checked.
         print(f"policy files in {directory} changed while rendering: run gpupool render again", file=sys.stderr)
         return 1
+    # A profile whose share backend the engine cannot place: refused when the policy names its engine (it is
+    # then declared for the Kubernetes mode), else said (gpupool.policies.engines, docs/kubernetes.md).
+    found = engines.refusals(policy)
+    if found and engines.engine_named(policy):
+        for refusal in found:
+            print(f"gpupool render: {refusal}", file=sys.stderr)
+        print("gpupool render: nothing was rendered", file=sys.stderr)
+        return 1
+    engine = policy.settings.engine
     try:
         release = volcano.Release(args.release, args.namespace, args.device_plugin_namespace)
+        if engine == "yunikorn" and not (DNS_LABEL.fullmatch(args.yunikorn_namespace)
+                                         and len(args.yunikorn_namespace) <= 63):
+            raise ValueError(f"yunikorn namespace {args.yunikorn_namespace!r} is not DNS-safe (accepted: lower-case "
+                             "letters, digits and '-', starting and ending with a letter or digit, at most 63 "
+                             "characters)")
         if args.helm_values:
-            text = dump([volcano.helm_values(policy, files, release, culler=not args.no_culler)])
+            if engine == "yunikorn":
+                values = yunikorn.helm_values(policy, files, release, culler=not args.no_culler,
+                                              namespace=args.yunikorn_namespace)
+            else:
+                values = volcano.helm_values(policy, files, release, culler=not args.no_culler)
+            text = dump([values])
             objects = None
         else:
-            objects = volcano.cluster_objects(policy, files, release)
+            objects = (yunikorn.cluster_objects(policy, files, release, args.yunikorn_namespace)
+                       if engine == "yunikorn" else volcano.cluster_objects(policy, files, release))
             text = dump(objects)
     except ValueError as error:
         print(f"gpupool render: {error}", file=sys.stderr)
         return 1
-    for note in volcano.wiring_notes(policy) + volcano.engine_notes(policy):
+    notes = volcano.wiring_notes(policy) + (yunikorn.engine_notes(policy) if engine == "yunikorn"
+                                            else volcano.engine_notes(policy))
+    notes += [f"in the Kubernetes mode, {refusal}" for refusal in found]
+    for note in notes:
         print(f"note: {note}", file=sys.stderr)
 
     if objects is None:

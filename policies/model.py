@@ -685,6 +685,14 @@ class Settings(Strict):
     )
     idle: Idle = Field(Idle(), description="When idle servers are culled, unless their profile or team says "
                        "otherwise (60 idle minutes, GPU under 1%, CPU under 5%, warned 10 minutes before).")
+    engine: Literal["volcano", "yunikorn"] = Field(
+        "volcano",
+        description="Kubernetes mode: the batch scheduler that places servers and jobs in the team queues. "
+        "`volcano`: Volcano Queues (`gpupool render` writes them); `yunikorn`: Apache YuniKorn, whose "
+        "`yunikorn-configs` ConfigMap `gpupool render` writes instead. Naming it declares the policy for the "
+        "Kubernetes mode: `gpupool render` and `gpupool policy check` then refuse a share backend the engine "
+        "cannot place (docs/kubernetes.md, \"Choosing an engine\"). The embedded mode has no engine.",
+    )
 
 
 class Policy(Strict):

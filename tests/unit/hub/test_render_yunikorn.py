@@ -1,0 +1,147 @@
+"""`gpupool render` under `settings.engine: yunikorn` (issue 37): YuniKorn's `yunikorn-configs` ConfigMap
+(`spawner/yunikorn.py`) in place of Volcano's Queues, from the same policies; compared with a literal
+configuration. That the real YuniKorn loads it is tests/e2e/test_kube_yunikorn.py's."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import yaml
+
+from gpupool.hub.cli import main
+from gpupool.policies import load_policy
+from gpupool.spawner import yunikorn
+from gpupool.spawner.volcano import Release
+
+CLUSTER = {
+    "models": {"A100": {"vendor": "nvidia", "memory_gib": 80, "product": "NVIDIA-A100-SXM4-80GB",
+                        "backends": ["mig", "whole"], "mig": {"strategy": "single", "profiles": ["1g.10gb"]}}},
+    "settings": {"engine": "yunikorn"},
+}
+TEAMS = {"teams": {
+    # listed children first: the configuration is ordered by name, parents holding their children
+    "vision": {"priority": 100, "queue": {"parent": "research", "guarantee": {"nvidia.com/gpu": 2, "cpu": 8}}},
+    "students": {"priority": 10, "queue": {"capability": {"nvidia.com/gpu": 4},
+                                           "deserved": {"cpu": "16", "memory": "128Gi", "nvidia.com/gpu": 2}}},
+    "research": {"priority": 100, "queue": {"weight": 4, "reclaimable": False,
+                                            "capability": {"cpu": 512, "memory": "4Ti", "nvidia.com/gpu": 32},
+                                            "deserved": {"cpu": 256, "memory": "2Ti", "nvidia.com/gpu": 16},
+                                            "guarantee": {"nvidia.com/gpu": 2, "cpu": 8}}},
+}}
+PROFILES = {"profiles": {"a100": {"display_name": "1 × A100", "gpu": {"model": "A100", "count": 1},
+                                  "teams": ["vision", "students"]}}}
+
+EXPECTED = {"partitions": [{
+    "name": "default",
+    "placementrules": [{"name": "provided", "create": False}],
+    "preemption": {"enabled": True},
+    "queues": [{"name": "root", "submitacl": "*", "parent": True, "queues": [
+        {"name": "research", "parent": True,
+         # deserved wins over guarantee; cpu is YuniKorn's vcore
+         "resources": {"guaranteed": {"vcore": "256", "memory": "2Ti", "nvidia.com/gpu": "16"},
+                       "max": {"vcore": "512", "memory": "4Ti", "nvidia.com/gpu": "32"}},
+         "properties": {"priority.offset": "100", "preemption.policy": "disabled"},
+         "queues": [{"name": "vision", "resources": {"guaranteed": {"vcore": "8", "nvidia.com/gpu": "2"}},
+                     "properties": {"priority.offset": "100"}}]},
+        {"name": "students",
+         "resources": {"guaranteed": {"vcore": "16", "memory": "128Gi", "nvidia.com/gpu": "2"},
+                       "max": {"nvidia.com/gpu": "4"}},
+         "properties": {"priority.offset": "10"}},
+    ]}],
+}]}
+
+
+def policy_dir(tmp_path: Path, **changes) -> Path:
+    directory = tmp_path / "policies"
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, content in (("cluster.yaml", CLUSTER), ("teams.yaml", TEAMS), ("profiles.yaml", PROFILES)):
+        (directory / name).write_text(yaml.safe_dump(content, sort_keys=False))
+    for name, content in changes.items():
+        (directory / f"{name}.yaml").write_text(yaml.safe_dump(content, sort_keys=False))
+    return directory
+
+
+def render(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["render", *args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_the_queue_configuration_is_the_policys_teams_as_yunikorn_queues(tmp_path):
+    assert yunikorn.queues_config(load_policy(policy_dir(tmp_path))) == EXPECTED
+    assert yunikorn.queue_path(load_policy(policy_dir(tmp_path)), "vision") == "root.research.vision"
+
+
+def test_jobs_preemption_off_turns_the_partitions_preemption_off(tmp_path):
+    policy = load_policy(policy_dir(tmp_path, jobs={"jobs": {"preemption": {"enabled": False}}}))
+    assert yunikorn.queues_config(policy)["partitions"][0]["preemption"] == {"enabled": False}
+
+
+def test_render_writes_the_configmap_in_yunikorns_namespace_instead_of_volcano_queues(tmp_path):
+    code, out, err = render("--policies", str(policy_dir(tmp_path)), "--yunikorn-namespace", "yk")
+    assert code == 0, err
+    objects = list(yaml.safe_load_all(out))
+    assert not [o for o in objects if o["kind"] == "Queue"]
+    configs = [o for o in objects if o["metadata"]["name"] == "yunikorn-configs"]
+    assert len(configs) == 1 and configs[0]["kind"] == "ConfigMap" and configs[0]["metadata"]["namespace"] == "yk"
+    assert list(configs[0]["data"]) == ["queues.yaml"]
+    assert yaml.safe_load(configs[0]["data"]["queues.yaml"]) == EXPECTED
+    # YuniKorn's service settings are the operator's yunikorn-defaults, not gpupool's
+    assert "service." not in configs[0]["data"]["queues.yaml"]
+    # the PriorityClasses the pods name come first, as under Volcano; the policy ConfigMap is still rendered
+    kinds = [o["kind"] for o in objects]
+    assert kinds.index("PriorityClass") < objects.index(configs[0])
+    assert any(o["metadata"]["name"] == "gpupool-policies" for o in objects)
+    assert "research set queue.weight, which YuniKorn has no field for" in err.replace("teams ", "")
+
+
+def test_the_rendering_is_byte_for_byte_the_same_whatever_the_order_of_the_teams(tmp_path):
+    first = render("--policies", str(policy_dir(tmp_path / "a")))[1]
+    assert render("--policies", str(policy_dir(tmp_path / "a")))[1] == first
+    reordered = {"teams": dict(reversed(list(TEAMS["teams"].items())))}
+    again = render("--policies", str(policy_dir(tmp_path / "b", teams=reordered)))[1]
+
+    def configs(text: str) -> str:  # the policy ConfigMap carries the files' own text, which differs
+        return next(part for part in text.split("---\n") if "name: yunikorn-configs" in part)
+
+    assert configs(again) == configs(first) and "queues.yaml: |" in configs(first)
+
+
+def test_helm_values_carry_the_configmap_and_no_queue(tmp_path):
+    directory = policy_dir(tmp_path)
+    code, out, err = render("--policies", str(directory), "--helm-values")
+    assert code == 0, err
+    objects = yaml.safe_load(out)["gpupool"]["objects"]
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "ConfigMap"] == ["yunikorn-configs"]
+    assert not [o for o in objects if o["kind"] == "Queue"]
+    policy = load_policy(directory)
+    files = {p.name: p.read_text() for p in sorted(directory.glob("*.yaml"))}
+    assert yunikorn.helm_values(policy, files, Release())["gpupool"]["objects"] == objects
+
+
+def test_a_backend_the_named_engine_cannot_place_renders_nothing(tmp_path):
+    cluster = {**CLUSTER, "models": {"A100": {**CLUSTER["models"]["A100"], "backends": ["hami", "mig", "whole"]}}}
+    profiles = {"profiles": {**PROFILES["profiles"], "half": {
+        "display_name": "0.5 × A100", "gpu": {"model": "A100", "share": 0.5}, "teams": ["vision"]}}}
+    code, out, err = render("--policies", str(policy_dir(tmp_path, cluster=cluster, profiles=profiles)))
+    assert code == 1 and out == ""
+    assert "profiles.half: backend 'hami' (model A100) cannot work under settings.engine 'yunikorn'" in err
+    assert "nothing was rendered" in err
+
+
+def test_a_policy_naming_no_engine_renders_volcano_queues_and_notes_what_volcano_cannot_place(tmp_path):
+    cluster = {"models": {"A100": {**CLUSTER["models"]["A100"], "backends": ["hami", "mig", "whole"]}}}
+    profiles = {"profiles": {**PROFILES["profiles"], "half": {
+        "display_name": "0.5 × A100", "gpu": {"model": "A100", "share": 0.5}, "teams": ["vision"]}}}
+    code, out, err = render("--policies", str(policy_dir(tmp_path, cluster=cluster, profiles=profiles)))
+    assert code == 0, err
+    assert {o["kind"] for o in yaml.safe_load_all(out)} >= {"Queue", "PriorityClass"}
+    assert "note: in the Kubernetes mode, profiles.half: backend 'hami'" in err
+
+
+def test_a_yunikorn_namespace_that_is_not_dns_safe_is_refused(tmp_path):
+    code, out, err = render("--policies", str(policy_dir(tmp_path)), "--yunikorn-namespace", "YK_1")
+    assert code == 1 and out == "" and "yunikorn namespace 'YK_1' is not DNS-safe" in err
