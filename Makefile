@@ -217,7 +217,9 @@ test-system-packages:
 # The real Kubernetes control plane the Kubernetes mode's tests run against (tests/e2e/test_kube_cluster.py): etcd,
 # kube-apiserver, kube-controller-manager, kube-scheduler, kubectl and KWOK, built from the Go module proxy at the
 # versions of kube/versions.env into ~/.cache/gpupool/kube (GPUPOOL_KUBE_CACHE), outside the repository. Cold:
-# about 6 minutes on two cores (downloads included); warm: nothing to do.
+# about 6 minutes on two cores (downloads included); warm: nothing to do. Then Volcano and Apache YuniKorn's
+# scheduler (tests/e2e/test_kube_yunikorn.py) from their release archives in ../shared/upstream (GPUPOOL_UPSTREAM);
+# YuniKorn's cold build: 350 s on the two loaded cores (docs/tests.md).
 kube-tools:
 	@command -v go >/dev/null || { echo "kube-tools: no Go toolchain (go on PATH): the tests against the real control plane will skip"; exit 0; }; \
 	bash kube/build-tools.sh
