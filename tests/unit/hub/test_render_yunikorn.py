@@ -145,3 +145,25 @@ def test_a_policy_naming_no_engine_renders_volcano_queues_and_notes_what_volcano
 def test_a_yunikorn_namespace_that_is_not_dns_safe_is_refused(tmp_path):
     code, out, err = render("--policies", str(policy_dir(tmp_path)), "--yunikorn-namespace", "YK_1")
     assert code == 1 and out == "" and "yunikorn namespace 'YK_1' is not DNS-safe" in err
+
+
+def test_the_chart_emits_the_rendered_configmap_unchanged(tmp_path):
+    # The chart (helm/gpupool) rendered by the real Helm library with the values `--helm-values` writes
+    import helm_python as helm
+
+    code, out, err = render("--policies", str(policy_dir(tmp_path)), "--helm-values", "--release", "pool")
+    assert code == 0, err
+    values = yaml.safe_load(out)
+    values["postgresql"] = {"host": "postgres.db.svc", "existingSecret": "gpupool-postgres"}
+    values["jupyterhub"]["enabled"] = False
+    values["jupyterhub"]["hub"]["extraEnv"]["PGPASSWORD"] = {
+        "valueFrom": {"secretKeyRef": {"name": "gpupool-postgres", "key": "password"}}}
+    chart = Path(__file__).resolve().parents[3] / "helm" / "gpupool"
+    with helm.Chart.load(chart) as loaded:
+        manifests = loaded.render(values, name="pool", namespace="jhub", is_install=True)
+    emitted = [doc for name, text in sorted(manifests.items()) if not name.endswith("NOTES.txt")
+               for doc in yaml.safe_load_all(text) if doc]
+    configs = [o for o in emitted if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "yunikorn-configs"]
+    assert configs == [o for o in values["gpupool"]["objects"] if o["metadata"]["name"] == "yunikorn-configs"]
+    assert yaml.safe_load(configs[0]["data"]["queues.yaml"]) == EXPECTED
+    assert not [o for o in emitted if o["kind"] == "Queue"]
