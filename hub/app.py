@@ -4,7 +4,7 @@ the embedded mode's job runner.
 `gpupool up` runs this instead of `jupyterhub`; configuration, options and behaviour are JupyterHub's, plus
 `gpupool.hub.sharing`'s routes in front of JupyterHub's share routes, the profiles' availability
 (`gpupool.hub.availability`) and, when the spawner is the embedded
-`LocalGPUSpawner`, the training jobs' runner (`gpupool.spawner.jobrunner`) in the hub process: one scheduler
+`LocalGPUSpawner`, the training jobs' runner (`gpupool.spawner.jobs.local`) in the hub process: one scheduler
 authority per machine for servers and jobs.
 """
 
@@ -81,9 +81,9 @@ class GPUPoolHub(JupyterHub):
             await self.start_kube_job_runner()
 
     async def start_job_runner(self) -> None:
-        """Run the embedded mode's training jobs through the spawners' pool (`gpupool.spawner.jobrunner`)."""
+        """Run the embedded mode's training jobs through the spawners' pool (`gpupool.spawner.jobs.local`)."""
         from gpupool.hub.accounting.jobs import JobStore
-        from gpupool.spawner.jobrunner import JobRunner
+        from gpupool.spawner.jobs.local import JobRunner
 
         settings = self._job_spawner(None)
         pool = settings.pool  # the spawners' own (and the requeue of what waited before a restart)
@@ -95,12 +95,12 @@ class GPUPoolHub(JupyterHub):
         self.log.info("gpupool: job runner started (jobs in %s)", settings.ledger_url.split("@")[-1])
 
     async def start_kube_job_runner(self) -> None:
-        """Run the Kubernetes mode's training jobs as Volcano Jobs (`gpupool.spawner.kubejobs`), in the
+        """Run the Kubernetes mode's training jobs as Volcano Jobs (`gpupool.spawner.jobs.volcano`), in the
         namespace, with the API client and the default image of the hub's GPUKubeSpawner configuration."""
         from kubespawner.clients import shared_client
 
         from gpupool.hub.accounting.jobs import JobStore
-        from gpupool.spawner.kubejobs import KubeJobRunner
+        from gpupool.spawner.jobs.volcano import KubeJobRunner
         from gpupool.spawner.volcano import RELEASE_ENV, Release
 
         # A spawner of the hub's configuration (for no one: KubeSpawner expands its names from a user's name and

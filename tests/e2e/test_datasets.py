@@ -380,7 +380,7 @@ def test_nlp_user_can_neither_read_nor_write_the_vision_folder(tmp_path_factory,
 
         # A racer who swaps in links the instant the folder is hers (another of her servers runs meanwhile) gets
         # no file of root's, at a server's start nor at a job's run (its private folder, the same writer).
-        from gpupool.spawner.jobrunner import private_folder
+        from gpupool.spawner.jobs.local import private_folder
 
         job = type("JobDouble", (), {"user": alice, "id": "0123456789ab"})()  # what private_folder reads of a Job
         for folder in (spawner.server_folder, private_folder(spawner, job)):

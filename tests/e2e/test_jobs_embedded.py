@@ -536,7 +536,7 @@ def test_a_job_runs_as_its_user_with_a_servers_environment_and_a_private_checkpo
 def test_the_runner_never_follows_a_link_its_user_planted_for_the_exit_status(tmp_path):
     # The run's private folder is its user's: a planted link (to a root-owned file, a FIFO, /dev/zero) must not
     # make the hub read it, hang on it or read it whole.
-    from gpupool.spawner.jobrunner import read_exit_status
+    from gpupool.spawner.jobs.local import read_exit_status
 
     (tmp_path / "real").write_text("0\n")
     assert read_exit_status(tmp_path / "real") == 0
@@ -549,7 +549,7 @@ def test_the_runner_never_follows_a_link_its_user_planted_for_the_exit_status(tm
 def test_a_teammate_swapping_the_checkpoints_folder_meanwhile_gets_no_folder_made_elsewhere(tmp_path, monkeypatch):
     # Team members may rename anything in the team folder, `checkpoints` too: swapped for a link once the runner
     # has checked it, the job's folder must still be made where it was checked, never through the link.
-    from gpupool.spawner import jobrunner
+    from gpupool.spawner.jobs import local as jobrunner
 
     team, elsewhere = tmp_path / "vision", tmp_path / "etc"
     (elsewhere / "alice").mkdir(parents=True)
@@ -592,7 +592,7 @@ def test_a_run_hears_sigterm_even_when_the_thread_starting_it_blocks_signals():
     import signal
     import threading
 
-    from gpupool.spawner.jobrunner import hear_signals
+    from gpupool.spawner.jobs.local import hear_signals
 
     show = [sys.executable, "-c", "print(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('SigBlk')))"]
     masks = {}

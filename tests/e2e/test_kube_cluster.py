@@ -42,8 +42,10 @@ from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.jobs import Job, JobStore, JobSubmission, resolve
 from gpupool.hub.accounting.ledger import HowEnded, State
 from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR, load_policy
-from gpupool.spawner.jobs import EVICTION_HEADROOM, JOB_ID_LABEL, JobSpec, job_name, running_since, volcano_job
-from gpupool.spawner.kubejobs import KubeJobRunner, parse_time
+from gpupool.spawner.jobs.volcano_objects import (
+    EVICTION_HEADROOM, JOB_ID_LABEL, JobSpec, job_name, running_since, volcano_job,
+)
+from gpupool.spawner.jobs.volcano import KubeJobRunner, parse_time
 from gpupool.spawner.kube import GPUKubeSpawner
 from gpupool.spawner.usage import get_ledger
 from gpupool.spawner.volcano import Release
@@ -625,7 +627,7 @@ async def test_the_rendered_priority_classes_let_a_teams_notebook_preempt_deprio
         cluster.kubectl("delete", "node", "tiny-h200", "--wait=false")
 
 
-# --- training jobs as Volcano Jobs (gpupool.spawner.kubejobs) ---------------------------------------------------
+# --- training jobs as Volcano Jobs (gpupool.spawner.jobs.volcano) ---------------------------------------------
 # Volcano's job controller (vc-controller-manager) makes each Job's PodGroup and pod and applies its policies;
 # Volcano's scheduler binds the pods, KWOK runs and fails them, and gpupool's job runner reads all of it through
 # the real API server.
@@ -923,7 +925,7 @@ async def test_a_cancelled_job_whose_pod_hangs_in_terminating_ends_after_the_gra
     """A pod on a lost node stays Terminating until the node is back (here KWOK, its kubelet, leaves the pod
     alone): the cancelled run ends, and its billing with it, once the grace period and `DELETE_WAIT_S` have
     passed."""
-    from gpupool.spawner import kubejobs
+    from gpupool.spawner.jobs import volcano as kubejobs
 
     jobs = job_cluster
     jobs.policy = jobs.policy.model_copy(update={"jobs": jobs.policy.jobs.model_copy(update={"grace_seconds": 1})})

@@ -194,7 +194,7 @@ def test_the_hub_may_read_podgroups_run_volcano_jobs_and_list_nodes_and_nothing_
     role = rendered[("Role", NAMESPACE, "pool-hub-podgroups")]
     assert role["rules"] == [{"apiGroups": ["scheduling.volcano.sh"], "resources": ["podgroups"],
                               "verbs": ["get", "list", "watch"]},
-                             # the job runner's (gpupool.spawner.kubejobs): what it calls, nothing more
+                             # the job runner's (gpupool.spawner.jobs.volcano): what it calls, nothing more
                              {"apiGroups": ["batch.volcano.sh"], "resources": ["jobs"],
                               "verbs": ["list", "create", "delete"]},
                              # its pods' output into the jobs' logs (z2jh's hub Role has no pods/log)

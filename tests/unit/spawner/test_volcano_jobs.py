@@ -1,6 +1,7 @@
-"""A training job as a Volcano Job (`gpupool.spawner.jobs`): a literal manifest, every profile of both policy
-sets against Volcano's CRD schema, its webhook's rules and kubernetes-validate (strict), the pod side equal to
-the pod a real GPUKubeSpawner renders for the same profile, the restart table, and Volcano's status read back.
+"""A training job as a Volcano Job (`gpupool.spawner.jobs.volcano_objects`): a literal manifest, every profile
+of both policy sets against Volcano's CRD schema, its webhook's rules and kubernetes-validate (strict), the pod
+side equal to the pod a real GPUKubeSpawner renders for the same profile, the restart table, and Volcano's
+status read back.
 
 The Volcano CRDs come from shared/ beside the repository (test_render.py's checks); without it those skip.
 """
@@ -21,7 +22,7 @@ from gpupool.hub.accounting.jobs import Job
 from gpupool.hub.accounting.restarts import Ended, Event
 from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR, load_policy
 from gpupool.policies.model import DNS_LABEL, Restarts, parse_quantity
-from gpupool.spawner.jobs import (
+from gpupool.spawner.jobs.volcano_objects import (
     EVICTION_HEADROOM,
     JobSpec,
     VolcanoJobState,
@@ -504,7 +505,7 @@ def test_job_names_are_one_to_one_dns_labels():
     assert len({job_name(i) for i in ("a", "a-1", "a1")}) == 3
 
 
-# --- how a run ended, read from its pod (gpupool.spawner.jobs.pod_end) -------------------------------------------
+# --- how a run ended, read from its pod (gpupool.spawner.jobs.volcano_objects.pod_end) ---------------------------
 
 
 def _pod(phase: str, *, exit_code: int | None = None, reason: str | None = None, disruption: str | None = None,

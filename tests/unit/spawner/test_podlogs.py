@@ -1,12 +1,12 @@
-"""spawner/kubejobs.py's reads of the API server that the client hands back unchecked (`_preload_content=False`),
-against the API double (tests/kube_double.py) over real HTTP."""
+"""spawner/jobs/podlogs.py's reads of the API server that the client hands back unchecked
+(`_preload_content=False`), against the API double (tests/kube_double.py) over real HTTP."""
 
 from __future__ import annotations
 
 import kmock
 import pytest
 import pytest_asyncio
-from gpupool.spawner.kubejobs import PodLogs, _Read
+from gpupool.spawner.jobs.podlogs import PodLogs, _Read
 from kube_double import NAMESPACE, KubernetesAPIDouble, forget_kube_clients
 from kubernetes_asyncio.client import ApiClient, ApiException, Configuration, CoreV1Api
 
