@@ -10,7 +10,8 @@ parent's queue), with the same meaning as its Volcano Queue (docs/kubernetes.md 
   guarantees (a pod in a queue under its `guaranteed` evicts from a queue over its own), as Volcano's
   reclaim is by `deserved`;
 - `priority` → the property `priority.offset`;
-- `queue.reclaimable: false` → the property `preemption.policy: disabled` (its pods are never victims);
+- `queue.reclaimable: false` → the property `preemption.policy: disabled` (its pods are never victims; YuniKorn
+  passes it down from a parent queue to every queue below);
 - `jobs.preemption.enabled` → the partition's `preemption.enabled`.
 YuniKorn's service settings (`service.schedulingInterval`, …) are not queue configuration: they belong in the
 `yunikorn-defaults` ConfigMap, which the operator's YuniKorn install owns, and gpupool does not write it.
