@@ -37,9 +37,10 @@ def hub(tmp_path_factory):
 
 
 def stop(hub: Hub, users: list[str]) -> None:
-    """Stop the users' servers and the hub; no server outlives the test."""
-    for user in users:
-        hub.api("DELETE", f"/users/{user}/server")
+    """Stop the users' servers and the hub; no server outlives the test. All at once, as they were started: one
+    after the other, each waiting for its answer, took about a second each (40 s for the crowd)."""
+    with ThreadPoolExecutor(len(users)) as pool:
+        list(pool.map(lambda user: hub.api("DELETE", f"/users/{user}/server"), users))
     hub.stop()
     for process in psutil.process_iter(["cmdline"]):
         if str(hub.state) in " ".join(process.info["cmdline"] or []):
