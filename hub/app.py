@@ -4,7 +4,7 @@ the embedded mode's job runner.
 `gpupool up` runs this instead of `jupyterhub`; configuration, options and behaviour are JupyterHub's, plus
 `gpupool.hub.sharing`'s routes in front of JupyterHub's share routes, the profiles' availability
 (`gpupool.hub.availability`) and, when the spawner is the embedded
-`LocalGPUSpawner`, the training jobs' runner (`gpupool.spawner.jobs.local`) in the hub process: one scheduler
+`LocalGPUSpawner`, the training jobs' runner (`gpupool.spawner.jobs`) in the hub process: one scheduler
 authority per machine for servers and jobs.
 """
 
@@ -27,6 +27,26 @@ from gpupool.spawner.wiring import JOB_TOKEN_SCOPES
 
 #: How long a run's hub token stays valid at most (it is removed when the run ends).
 JOB_TOKEN_DAYS = 30
+
+#: The job backend (`gpupool.spawner.jobs`) each spawner's hub runs its training jobs on, by the spawner class's
+#: import path (a name, not the class: the Kubernetes client is 34 MiB of the embedded hub's memory at rest).
+#: A spawner class may name its own instead (a `job_backend` class attribute).
+JOB_BACKENDS = {"gpupool.spawner.local.LocalGPUSpawner": "local", "gpupool.spawner.kube.GPUKubeSpawner": "volcano"}
+
+
+def job_backend_of(spawner_class) -> str | None:
+    """The job backend a hub of `spawner_class` runs: the class's own `job_backend`, else `JOB_BACKENDS`' entry of
+    the class or of the nearest class it derives from; None: that hub runs no training jobs."""
+    if not isinstance(spawner_class, type):
+        return None
+    declared = getattr(spawner_class, "job_backend", None)
+    if declared:
+        return declared
+    for cls in spawner_class.__mro__:
+        backend = JOB_BACKENDS.get(f"{cls.__module__}.{cls.__qualname__}")
+        if backend is not None:
+            return backend
+    return None
 
 
 class GPUPoolHub(JupyterHub):
@@ -69,38 +89,40 @@ class GPUPoolHub(JupyterHub):
 
     async def start(self):
         await super().start()
-        from gpupool.spawner.local import LocalGPUSpawner
-
-        if isinstance(self.spawner_class, type) and issubclass(self.spawner_class, LocalGPUSpawner):
-            await self.start_job_runner()
+        backend = job_backend_of(self.spawner_class)
+        make = {"local": self._local_job_backend, "volcano": self._volcano_job_backend}.get(backend)
+        if backend is not None and make is None:
+            self.log.error("gpupool: the spawner names the job backend %r (known: local, volcano): training jobs "
+                           "are not run", backend)
+        made = await make() if make is not None else None
+        if made is None:
             return
-        # Only in the Kubernetes mode: the Kubernetes client is 34 MiB of the embedded hub's memory at rest.
-        from gpupool.spawner.kube import GPUKubeSpawner
-
-        if isinstance(self.spawner_class, type) and issubclass(self.spawner_class, GPUKubeSpawner):
-            await self.start_kube_job_runner()
-
-    async def start_job_runner(self) -> None:
-        """Run the embedded mode's training jobs through the spawners' pool (`gpupool.spawner.jobs.local`)."""
         from gpupool.hub.accounting.jobs import JobStore
-        from gpupool.spawner.jobs.local import JobRunner
+        from gpupool.spawner.jobs.runner import JobRunner
+
+        ledger, policy_of, job_backend, where = made
+        runner = JobRunner(JobStore(ledger.engine), ledger, policy_of, job_backend, self.log)
+        await runner.start()
+        self.job_runner = runner
+        self.log.info("gpupool: job runner started (%s backend: %s)", backend, where)
+
+    async def _local_job_backend(self):
+        """The embedded mode's training jobs: processes through the spawners' pool (`gpupool.spawner.jobs.local`)."""
+        from gpupool.spawner.jobs.local import LocalBackend
 
         settings = self._job_spawner(None)
         pool = settings.pool  # the spawners' own (and the requeue of what waited before a restart)
-        runner = JobRunner(JobStore(settings.ledger.engine), pool, settings.ledger, lambda: settings.policy,
-                           settings.state_dir, self._job_spawner_async, self._job_token, self._revoke_job_token,
-                           self.hub.api_url, self.log)
-        await runner.start()
-        self.job_runner = runner
-        self.log.info("gpupool: job runner started (jobs in %s)", settings.ledger_url.split("@")[-1])
+        backend = LocalBackend(pool, settings.state_dir, self._job_spawner_async, self._job_token,
+                               self._revoke_job_token, self.hub.api_url)
+        return (settings.ledger, lambda: settings.policy, backend,
+                f"jobs in {settings.ledger_url.split('@')[-1]}")
 
-    async def start_kube_job_runner(self) -> None:
-        """Run the Kubernetes mode's training jobs as Volcano Jobs (`gpupool.spawner.jobs.volcano`), in the
-        namespace, with the API client and the default image of the hub's GPUKubeSpawner configuration."""
+    async def _volcano_job_backend(self):
+        """The Kubernetes mode's training jobs as Volcano Jobs (`gpupool.spawner.jobs.volcano`), in the namespace,
+        with the API client and the default image of the hub's GPUKubeSpawner configuration."""
         from kubespawner.clients import shared_client
 
-        from gpupool.hub.accounting.jobs import JobStore
-        from gpupool.spawner.jobs.volcano import KubeJobRunner
+        from gpupool.spawner.jobs.volcano import VolcanoBackend
         from gpupool.spawner.volcano import RELEASE_ENV, Release
 
         # A spawner of the hub's configuration (for no one: KubeSpawner expands its names from a user's name and
@@ -109,15 +131,11 @@ class GPUPoolHub(JupyterHub):
                                       hub=self.hub)
         if not settings.ledger_url:
             self.log.warning("gpupool: no GPUPOOL_LEDGER_URL: training jobs are not run")
-            return
-        ledger = settings.ledger
-        runner = KubeJobRunner(JobStore(ledger.engine), ledger, lambda: settings.policy,
-                               shared_client("CustomObjectsApi"), shared_client("CoreV1Api"), settings.namespace,
-                               Release(os.environ.get(RELEASE_ENV, Release.name), settings.namespace),
-                               settings.image, self.log, storage_of=self._job_storage)
-        await runner.start()
-        self.job_runner = runner
-        self.log.info("gpupool: Kubernetes job runner started (Volcano Jobs in namespace %s)", settings.namespace)
+            return None
+        backend = VolcanoBackend(shared_client("CustomObjectsApi"), shared_client("CoreV1Api"), settings.namespace,
+                                 Release(os.environ.get(RELEASE_ENV, Release.name), settings.namespace),
+                                 settings.image, storage_of=self._job_storage)
+        return settings.ledger, lambda: settings.policy, backend, f"Volcano Jobs in namespace {settings.namespace}"
 
     async def _job_storage(self, job) -> dict:
         """The user's storage as GPUKubeSpawner mounts it in their servers (z2jh's `singleuser.storage`: the home

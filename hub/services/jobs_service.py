@@ -260,7 +260,7 @@ class LogHandler(JobsHandler):
         offset = int(text)
         # One byte before the offset too: whether the read starts inside a line (a bar still drawing).
         start = max(0, offset - 1)
-        if self.settings["kubernetes"]:  # its pods' output, kept by the hub's job runner (`KubeJobRunner`)
+        if self.settings["kubernetes"]:  # its pods' output, kept by the hub's job runner (`VolcanoBackend`)
             data = self.store.read_log(job.id, start, LOG_CHUNK + offset - start)
         else:
             try:

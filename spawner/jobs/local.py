@@ -1,10 +1,11 @@
-"""The embedded job runner: training jobs through the hub's one pool, as processes of their users.
+"""The embedded mode's job backend: training jobs through the hub's one pool, as processes of their users.
 
-It runs in the hub process (`gpupool.hub.app.GPUPoolHub` starts it), beside the spawners, and asks the same
-`LocalPool` for every run of a job, so servers and jobs wait in one queue, count against the same quotas and
-budgets through the same door, and are ordered by one set of priorities. The jobs themselves live in the
-ledger's database (`accounting.jobs.JobStore`): the jobs service writes submissions and cancels there, this
-runner starts what waits, watches what runs and ends each run by the restart rules.
+The runner (`jobs.runner.JobRunner` over this `LocalBackend`) runs in the hub process (`gpupool.hub.app`'s
+`GPUPoolHub` starts it), beside the spawners, and this backend asks the same `LocalPool` for every run of a job, so
+servers and jobs wait in one queue, count against the same quotas and budgets through the same door, and are
+ordered by one set of priorities. The jobs themselves live in the ledger's database (`accounting.jobs.JobStore`):
+the jobs service writes submissions and cancels there, the runner hands this backend what waits and what runs,
+and it starts, watches and stops the runs' processes.
 
 A run is a process group of the job's user (`python -m gpupool.train.launch` around the job's command), with
 a server's environment for the job's share (`CUDA_*`, `GPUPOOL_*`, MLflow, DVC) plus `GPUPOOL_JOB_ID`,
@@ -27,7 +28,7 @@ import signal
 import stat
 import subprocess
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from fractions import Fraction
@@ -35,15 +36,14 @@ from pathlib import Path
 
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.admission import LOWEST_PRIORITY, Reason
-from gpupool.hub.accounting.jobs import (
-    LEDGER_END, Job, JobStore, Run, default_checkpoint_dir, job_log, policy_problem, priority_order,
-)
-from gpupool.hub.accounting.ledger import HowEnded, Ledger, job_run_key
+from gpupool.hub.accounting.jobs import Job, Run, default_checkpoint_dir, job_log
+from gpupool.hub.accounting.ledger import job_run_key
 from gpupool.hub.accounting.preemption import Holder, victims
 from gpupool.hub.accounting.restarts import Ended, Event
 from gpupool.policies.choice import Choice
 from gpupool.policies.model import Policy
 from gpupool.policies.resources import profile_share
+from gpupool.spawner.jobs.runner import HEARTBEAT_S, JobBackend, JobRunner
 from gpupool.spawner.local import (
     LocalGPUSpawner, ensure_system_user, ensure_team_folder, exit_record, mps_env, read_exit_record,
     server_env_paths, watch_exit,
@@ -52,10 +52,6 @@ from gpupool.spawner.mixin import choice_env, mlflow_env
 from gpupool.spawner.placement import choose_cards, placement_for
 from gpupool.spawner.pool import Allocation, LocalPool, Refused, Request, process_alive, process_start_time
 
-#: Seconds between two looks at the jobs table, the runs' processes and the queue.
-TICK_S = 1.0
-#: Seconds between two heartbeats of a running job's ledger interval.
-HEARTBEAT_S = 30.0
 #: Events after which a job goes back to the head of its priority in the queue.
 REQUEUED = {Event.PREEMPTED.value, Event.NODE_LOST.value, Event.PLATFORM_RESTART.value}
 
@@ -249,79 +245,48 @@ def _signal_group(pid: int, signum: int) -> None:
         pass
 
 
-class JobRunner:
-    """Starts, watches, stops and re-adopts the runs of the jobs in `store`, through `pool`."""
+class LocalBackend:
+    """The `JobBackend` of the embedded mode: each run of a job a process group of its user, placed by `pool`."""
 
-    def __init__(self, store: JobStore, pool: LocalPool, ledger: Ledger, policy_of: Callable[[], Policy],
-                 state_dir: str, spawner_of: Callable[[Job], Awaitable[LocalGPUSpawner]],
+    def __init__(self, pool: LocalPool, state_dir: str, spawner_of: Callable[[Job], Awaitable[LocalGPUSpawner]],
                  token_of: Callable[[Job, int], Awaitable[str | None]],
-                 revoke: Callable[[Job, int], Awaitable[None]], hub_api_url: str, log, tick: float = TICK_S):
+                 revoke: Callable[[Job, int], Awaitable[None]], hub_api_url: str):
         """`spawner_of(job)`: a `LocalGPUSpawner` of the hub's configuration for the job's user and choice
         (every setting a server gets, from the one place it is configured); `token_of(job, attempt)` makes
         the run's hub token, `revoke` removes it when the run ends."""
-        self.store, self.pool, self.ledger, self.policy_of = store, pool, ledger, policy_of
-        self.state_dir, self.spawner_of, self.token_of, self.revoke = state_dir, spawner_of, token_of, revoke
-        self.hub_api_url, self.log, self.tick_s = hub_api_url, log, tick
+        self.pool, self.state_dir, self.spawner_of, self.token_of, self.revoke = (pool, state_dir, spawner_of,
+                                                                                  token_of, revoke)
+        self.hub_api_url = hub_api_url
+        self.runner: JobRunner | None = None
         self.acquiring: dict[str, asyncio.Task] = {}
         self.active: dict[str, Active] = {}
-        self._task: asyncio.Task | None = None
         self._stopping = False
 
-    # --- the loop --------------------------------------------------------------------------------------
+    def bind(self, runner: JobRunner) -> None:
+        self.runner = runner
+        self.store, self.ledger, self.log = runner.store, runner.ledger, runner.log
 
-    async def start(self) -> None:
-        await self.adopt()
-        self._task = asyncio.get_running_loop().create_task(self._loop())
+    async def look(self) -> None:
+        """Nothing to list: the runs are this process's children (or re-adopted PIDs), the queue the pool's."""
 
-    async def stop(self) -> None:
-        """The hub goes down: stop watching (the runs go on; the next hub re-adopts them)."""
+    async def close(self) -> None:
+        """The hub goes down: the runs go on (the next hub re-adopts them); the jobs waiting keep their place."""
         self._stopping = True
-        for task in [self._task, *self.acquiring.values()]:
-            if task is not None:
-                task.cancel()
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.step()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # the database unreachable, a bug: log, and try again at the next tick
-                self.log.exception("gpupool job runner: a round failed; trying again")
-            await asyncio.sleep(self.tick_s)
-
-    async def step(self) -> None:
-        """One round: start what waits, follow what runs, stop what was cancelled, preempt for what waits."""
-        policy = self.policy_of()
-        now = periods.utcnow()
-        waiting, live = await asyncio.to_thread(
-            lambda: (self.store.waiting(now, priority_order(policy)),
-                     {j.id: j for j in self.store.jobs(states=("queued", "restarting", "running"))}))
-        for job in waiting:
-            if job.id not in self.acquiring and job.id not in self.active:
-                self.acquiring[job.id] = asyncio.get_running_loop().create_task(self._acquire(job))
-        for job_id, task in list(self.acquiring.items()):
-            if job_id not in live:  # cancelled (or refused) while it waited
-                task.cancel()
-        for job_id, active in list(self.active.items()):
-            job = live.get(job_id)
-            if active.stopping is None and (job is None or job.cancel_requested):
-                self.stop_run(active, Event.CANCELLED, policy)
-            elif active.stopping is None and job.suspend_requested:
-                self.stop_run(active, Event.SUSPENDED, policy)
-            await self._follow(active, policy)
-        await self._reasons()
-        await self._preempt(policy)
+        for task in self.acquiring.values():
+            task.cancel()
 
     # --- starting ----------------------------------------------------------------------------------------
+
+    async def submit(self, job: Job, policy: Policy) -> None:
+        """The job asks the pool for room (it waits in the pool's queue, with the servers, as long as it takes)."""
+        if job.id not in self.acquiring and job.id not in self.active:
+            self.acquiring[job.id] = asyncio.get_running_loop().create_task(self._acquire(job))
 
     async def _acquire(self, job: Job) -> None:
         holding, allocation = None, None
         try:
-            policy = self.policy_of()
-            problem = policy_problem(policy, job)
-            if problem:
-                await asyncio.to_thread(self.store.refuse, job.id, problem, periods.utcnow())
+            policy = self.runner.policy_of()
+            if await self.runner.refused_by_policy(job, policy):
                 return
             profile = policy.profiles[job.profile]
             queued = periods.utcnow()
@@ -337,22 +302,18 @@ class JobRunner:
                 allocation = await self.pool.acquire(request, options={"job": job.id}, first=first)
             run = await asyncio.to_thread(self.store.start_run, job.id, periods.utcnow(), holding=holding)
             if run is None:  # cancelled as it was placed
-                self._give_back(job, holding)
+                self.pool.release(pool_key(job.id))
+                await self.runner.give_back(holding)
                 return
             await self._launch(job, run, allocation, periods.utcnow() - queued)
         except Refused as refused:
-            await asyncio.to_thread(self.store.refuse, job.id, str(refused), periods.utcnow())
+            await self.runner.refuse(job, str(refused))
         except asyncio.CancelledError:
             if not self._stopping:  # cancelled by its user: it leaves the queue (a hub going down keeps it)
                 self.pool.forget(pool_key(job.id))
             raise
         finally:
             self.acquiring.pop(job.id, None)
-
-    def _give_back(self, job: Job, holding: str | None) -> None:
-        self.pool.release(pool_key(job.id))
-        if holding:
-            self.ledger.close_run(holding, periods.utcnow(), HowEnded.FAILED)  # reserved: never billed
 
     async def _launch(self, job: Job, run: Run, allocation: Allocation | None, queue_wait) -> None:
         spawner = await self.spawner_of(job)
@@ -366,7 +327,7 @@ class JobRunner:
             process, exit_file = await asyncio.to_thread(launch, spawner, started, self.state_dir)
         except Exception as error:
             self.log.error("gpupool job %s: run %d could not start: %s", job.id, run.attempt, error)
-            await self._end(job, run, allocation, Ended(Event.FAILED, 127), periods.utcnow())
+            await self._end(job, run, Ended(Event.FAILED, 127), periods.utcnow())
             return
         pid_started = process_start_time(process.pid) or time.time()
         await asyncio.to_thread(self.store.set_process, job.id, run.attempt, process.pid, int(pid_started * 1000))
@@ -382,6 +343,17 @@ class JobRunner:
         self.log.info("gpupool job %s (%s): run %d started as PID %d", job.id, job.user, run.attempt, process.pid)
 
     # --- following and ending ------------------------------------------------------------------------------
+
+    async def follow(self, job: Job, run: Run, policy: Policy) -> None:
+        active = self.active.get(job.id)
+        if active is not None:  # else its process is still being started
+            await self._follow(active, policy)
+
+    async def stop(self, job: Job, run: Run, why: Event, policy: Policy) -> None:
+        active = self.active.get(job.id)
+        if active is not None:
+            self.stop_run(active, why, policy)
+            await self._follow(active, policy)
 
     async def _follow(self, active: Active, policy: Policy) -> None:
         if active.proc is not None:
@@ -406,7 +378,7 @@ class JobRunner:
             else:
                 ended = Ended(Event.SUCCEEDED if status == 0 else Event.FAILED, status)
             self.active.pop(active.job.id, None)
-            await self._end(active.job, active.run, active.allocation, ended, ended_at or periods.utcnow())
+            await self._end(active.job, active.run, ended, ended_at or periods.utcnow())
             return
         if active.kill_at is not None and time.monotonic() >= active.kill_at:
             self.log.warning("gpupool job %s: still running %s s after SIGTERM; SIGKILL",
@@ -429,11 +401,9 @@ class JobRunner:
                       active.run.attempt, why.value, policy.jobs.grace_seconds)
         _signal_group(active.pid, signal.SIGTERM)
 
-    async def _end(self, job: Job, run: Run, allocation: Allocation | None, ended: Ended, at: datetime) -> None:
-        policy = self.policy_of()
-        following = await asyncio.to_thread(self.store.end_run, job.id, run.attempt, ended, at, policy)
-        if run.holding:
-            await asyncio.to_thread(self.ledger.close_run, run.holding, at, LEDGER_END[ended.event])
+    async def _end(self, job: Job, run: Run, ended: Ended, at: datetime) -> None:
+        """The run's end, recorded by the runner; then its place in the pool, its token and a line in its log."""
+        following = await self.runner.end(job, run, ended, at)
         self.pool.release(pool_key(job.id))
         await self.revoke(job, run.attempt)
         what = following.reason if following is not None else ended.event.value
@@ -442,8 +412,6 @@ class JobRunner:
                 out.write(f"--- gpupool: run {run.attempt} ended at {at:%Y-%m-%d %H:%M:%S} UTC: {what} ---\n".encode())
         except OSError:
             pass
-        self.log.info("gpupool job %s: run %d ended (%s, exit %s): %s", job.id, run.attempt, ended.event.value,
-                      ended.exit_code, what)
 
     async def adopt(self) -> None:
         """After a restart of the hub: follow the runs that still run, end those that ended meanwhile."""
@@ -467,7 +435,7 @@ class JobRunner:
             if ended_at is None:
                 interval = self.ledger.run_intervals(run.holding)[-1:] if run.holding else []
                 ended_at = interval[0].last_seen if interval else periods.utcnow()
-            await self._end(job, run, allocation, ended, ended_at)
+            await self._end(job, run, ended, ended_at)
         # Queue entries of jobs from before the restart: those still waiting are asked for again at the first
         # round (and keep their place); the others leave the queue.
         waiting = {j.id for j in await asyncio.to_thread(self.store.jobs, states=("queued", "restarting"))}
@@ -476,7 +444,18 @@ class JobRunner:
                 self.pool.restoring.pop(key, None)
                 self.pool.store.dequeue(key)
 
-    # --- telling users why they wait, and preempting for them ----------------------------------------------
+    # --- the round's end: what left, why each waits, and preempting for them -------------------------------
+
+    async def tidy(self, live: Mapping[str, Job], policy: Policy) -> None:
+        for job_id, task in list(self.acquiring.items()):
+            if job_id not in live:  # cancelled (or refused) while it waited
+                task.cancel()
+        for job_id, active in list(self.active.items()):
+            if job_id not in live:  # its job is gone from the table: stopped as cancelled
+                self.stop_run(active, Event.CANCELLED, policy)
+                await self._follow(active, policy)
+        await self._reasons()
+        await self._preempt(policy)
 
     async def _reasons(self) -> None:
         for job_id in list(self.acquiring):
@@ -537,3 +516,6 @@ class JobRunner:
                                   request.priority, job.preemptible, verdict.priority == LOWEST_PRIORITY,
                                   active.started or 0.0))
         return holders
+
+
+_: type[JobBackend] = LocalBackend  # conformance, as Kueue's adapters assert theirs (and the tests at run time)

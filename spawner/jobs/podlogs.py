@@ -1,5 +1,5 @@
 """The output of the training jobs' pods, kept in the jobs table while they run (`PodLogs`), read through the
-Kubernetes API server; with the two helpers the Volcano adapter shares (`read_answer`, `cancel_tasks`).
+Kubernetes API server; with the reading of an API answer the Volcano adapter shares (`read_answer`).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.jobs import JobStore
 from gpupool.hub.accounting.restarts import Ended, Event
+from gpupool.spawner.jobs.runner import cancel_tasks
 from gpupool.spawner.jobs.volcano_objects import TASK, running_since
 
 #: A pod's output is kept in pieces of at most this many bytes, written at least every `LOG_FLUSH_S` seconds.
@@ -283,13 +284,3 @@ def _how(ended: Ended) -> str:
     if ended.event in (Event.SUCCEEDED, Event.FAILED):
         return f"ended ({ended.event.value}, exit code {ended.exit_code})"
     return f"stopped ({ended.event.value})"
-
-
-async def cancel_tasks(tasks: list[asyncio.Task]) -> None:
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        try:
-            await task
-        except BaseException:  # noqa: BLE001 - cancelled, or it had failed and said so
-            pass

@@ -1,18 +1,19 @@
-"""The Kubernetes mode's job runner: training jobs as Volcano Jobs, submitted and watched through the API.
+"""The Kubernetes mode's job backend: training jobs as Volcano Jobs, submitted and watched through the API.
 
-It runs in the hub process (`gpupool.hub.app.GPUPoolHub` starts it when the spawner is `GPUKubeSpawner`) and
-does for the cluster what `jobs.local.JobRunner` does on one machine, from the same jobs table
-(`accounting.jobs.JobStore`) that the jobs service writes:
+The runner (`jobs.runner.JobRunner` over this `VolcanoBackend`) runs in the hub process (`gpupool.hub.app`'s
+`GPUPoolHub` starts it when the spawner is `GPUKubeSpawner`); this backend does for the cluster what
+`jobs.local.LocalBackend` does on one machine, from the same jobs table (`accounting.jobs.JobStore`) that the jobs
+service writes:
 
-- a waiting job goes through the ledger's one door (`notify.admit`: quota and budget, its share held as
-  `reserved`), then becomes a Volcano Job (`volcano_objects.volcano_job`) in its team's queue. Volcano schedules it,
-  restarts it under the Job's policies and preempts it; gpupool never places a pod itself;
+- a waiting job goes through the ledger's one door (`JobRunner.admit`: quota and budget, its share held as
+  `reserved`), then becomes a Volcano Job (`volcano_objects.volcano_job`) in its team's queue. Volcano schedules
+  it, restarts it under the Job's policies and preempts it; gpupool never places a pod itself;
 - a watch on the jobs' pods (list, then watch from the resourceVersion) sees how each pod ended, before
   Volcano deletes it to restart the Job: its exit code, a kubelet eviction, a disruption (preemption, a
   drained or lost node) or a deletion (`volcano_objects.pod_end`);
-- every tick it lists the Volcano Jobs (label selector) and reads each one's phase and restart count
-  (`volcano_objects.job_state`). A higher restart count than the run's (`Run.cluster_retry`), or an ended phase, ends
-  the run: `JobStore.end_run` counts it by gpupool's restart rules (a preemption or a lost node never counts),
+- every round it lists the Volcano Jobs (label selector) and reads each one's phase and restart count
+  (`volcano_objects.job_state`). A higher restart count than the run's (`Run.cluster_retry`), or an ended phase,
+  ends the run: `JobRunner.end` counts it by gpupool's restart rules (a preemption or a lost node never counts),
   and its ledger interval closes. When gpupool's rules end the job (its restarts used up, an exit code never
   retried) while Volcano would go on, gpupool deletes the Volcano Job; when they continue it, the next run
   is Volcano's restarted pod (or, after a Volcano Job that ended, a new Volcano Job when its turn comes);
@@ -36,24 +37,21 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from gpupool.hub.accounting import notify, periods
-from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest
-from gpupool.hub.accounting.jobs import LEDGER_END, Job, JobStore, Run, policy_problem, priority_order
-from gpupool.hub.accounting.ledger import JOB_RUN_PREFIX, HowEnded, Ledger, job_run_key
+from gpupool.hub.accounting import periods
+from gpupool.hub.accounting.admission import LOWEST_PRIORITY
+from gpupool.hub.accounting.jobs import Job, Run, policy_problem
+from gpupool.hub.accounting.ledger import job_run_key
 from gpupool.hub.accounting.restarts import Action, Ended, Event, Next
 from gpupool.policies.model import Policy
 from gpupool.policies.resources import profile_share
-from gpupool.spawner.jobs.podlogs import PodLogs, cancel_tasks, read_answer
+from gpupool.spawner.jobs.podlogs import PodLogs, read_answer
+from gpupool.spawner.jobs.runner import HEARTBEAT_S, JobBackend, JobRunner, cancel_tasks
 from gpupool.spawner.jobs.volcano_objects import (
     JOB_API_VERSION, JOB_ID_LABEL, SUBMISSION_LABEL, JobSpec, finished_at, job_name, job_state, pod_end,
     pod_retry, running_since, volcano_job,
 )
 from gpupool.spawner.volcano import INSTANCE_LABEL, Release, team_queue
 
-#: Seconds between two looks at the jobs table and the Volcano Jobs.
-TICK_S = 1.0
-#: Seconds between two heartbeats of a run's ledger interval.
-HEARTBEAT_S = 30.0
 GROUP, VERSION = JOB_API_VERSION.split("/")
 PLURAL = "jobs"
 #: Seconds a run whose Volcano Job moved on waits for the pod watch to tell how its pod ended (the watch's lag;
@@ -73,18 +71,18 @@ def parse_time(text: str | None) -> datetime | None:
     return datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
-class KubeJobRunner:
-    """Submits, watches and ends the Volcano Jobs of the jobs in `store`, in `namespace`."""
+class VolcanoBackend:
+    """The `JobBackend` of the Kubernetes mode: submits, watches and ends the Volcano Jobs of the runner's jobs, in
+    `namespace`."""
 
-    def __init__(self, store: JobStore, ledger: Ledger, policy_of: Callable[[], Policy], custom, core,
-                 namespace: str, release: Release, default_image: str, log, tick: float = TICK_S,
+    def __init__(self, custom, core, namespace: str, release: Release, default_image: str,
                  storage_of: Callable[[Job], Awaitable[Mapping[str, Any]]] | None = None):
         """`custom`, `core`: kubernetes_asyncio's CustomObjectsApi and CoreV1Api (the spawner's clients);
         `default_image`: what profiles without image choices run (the hub's notebook image); `storage_of(job)`:
         the user's `volumes`, `volume_mounts` and `security_context` as the hub's spawner gives their servers."""
-        self.store, self.ledger, self.policy_of, self.storage_of = store, ledger, policy_of, storage_of
         self.custom, self.core, self.namespace, self.release = custom, core, namespace, release
-        self.default_image, self.log, self.tick_s = default_image, log, tick
+        self.default_image, self.storage_of = default_image, storage_of
+        self.runner: JobRunner | None = None
         #: From the pod watch, by (job id, Volcano Job submission, Volcano restart): how that pod's run ended, when
         #: its container ran. The submission (`volcano_objects.SUBMISSION_LABEL`) tells a new Volcano Job of a job
         #: (after a suspend, a cancelled restart) from the last one, whose pods' late events must not count for it.
@@ -92,53 +90,31 @@ class KubeJobRunner:
         self.started: dict[tuple[str, str, int], str] = {}
         self.finished: dict[tuple[str, str, int], str] = {}  # when its container terminated, where it did
         self.billed: dict[str, tuple[bool, float]] = {}  # run holding → (billed as running, when written)
-        #: Job ids whose Volcano Job this runner deleted and waits to see gone, with when it asked (monotonic).
+        #: Job ids whose Volcano Job this backend deleted and waits to see gone, with when it asked (monotonic).
         self.deleting: dict[str, float] = {}
         self.moved_on: dict[tuple[str, int], tuple[float, datetime]] = {}  # run's end unknown: since (monotonic, UTC)
+        self.cluster: dict[str, dict] = {}  # this round's Volcano Jobs, by job id
         self.pods_seen = asyncio.Event()  # the watch's first list is in
-        self.pod_logs = PodLogs(store, core, namespace, log)
+        self.pod_logs: PodLogs | None = None
         self._tasks: list[asyncio.Task] = []
 
-    # --- the loops ---------------------------------------------------------------------------------------
+    def bind(self, runner: JobRunner) -> None:
+        self.runner = runner
+        self.store, self.ledger, self.log = runner.store, runner.ledger, runner.log
+        self.pod_logs = PodLogs(runner.store, self.core, self.namespace, runner.log)
 
-    async def start(self) -> None:
-        await asyncio.to_thread(self.reconcile)
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._watch_pods()), loop.create_task(self._loop())]
+    # --- the watch ---------------------------------------------------------------------------------------
 
-    def reconcile(self) -> None:
-        """What a crash between the jobs table and the ledger left open: the holding of a run the table says has
-        ended closes when and as that run ended; a holding no run took (the hub stopped between the door and the
-        Volcano Job) closes unbilled."""
-        for interval in self.ledger.open_intervals():
-            holding = interval.run or interval.key
-            if interval.kind != "job" or not holding.startswith(JOB_RUN_PREFIX):
-                continue
-            job_id = holding[len(JOB_RUN_PREFIX):].split("@", 1)[0]
-            run = next((r for r in self.store.runs(job_id) if r.holding == holding), None)
-            if run is None:
-                self.ledger.close_run(holding, interval.start, HowEnded.FAILED)
-            elif run.ended_at is not None:
-                self.ledger.close_run(holding, run.ended_at, LEDGER_END[Event(run.event)])
-            else:
-                continue
-            self.log.warning("gpupool job %s: closed its ledger interval %s, left open by a crash", job_id, holding)
+    async def adopt(self) -> None:
+        """Everything is in the jobs table and the cluster: close what a crash left open in the ledger, then watch
+        the jobs' pods (the rounds follow the runs from there)."""
+        await asyncio.to_thread(self.runner.reconcile)
+        self._tasks = [asyncio.get_running_loop().create_task(self._watch_pods())]
 
-    async def stop(self) -> None:
+    async def close(self) -> None:
         """The hub goes down: stop watching (the Volcano Jobs go on; the next hub follows them)."""
         await cancel_tasks(self._tasks)
         await self.pod_logs.stop()
-
-    async def _loop(self) -> None:
-        await self.pods_seen.wait()  # how running pods ended is known before any run is judged
-        while True:
-            try:
-                await self.step()
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # the API server or the database unreachable, a bug: log, try again next tick
-                self.log.exception("gpupool Kubernetes job runner: a round failed; trying again")
-            await asyncio.sleep(self.tick_s)
 
     async def _watch_pods(self) -> None:
         from kubernetes_asyncio import watch
@@ -217,68 +193,48 @@ class KubeJobRunner:
                                                                  label_selector=self.selector)
         return {j["metadata"]["labels"][JOB_ID_LABEL]: j for j in listed.get("items") or []}
 
-    async def step(self) -> None:
-        """One round: follow what runs, start what Volcano restarted, submit what waits, delete what ended."""
-        policy = self.policy_of()
-        cluster = await self.volcano_jobs()
-        now = periods.utcnow()
-        live, waiting, running = await asyncio.to_thread(
-            lambda: ({j.id: j for j in self.store.jobs(states=("queued", "restarting", "running"))},
-                     self.store.waiting(now, priority_order(policy)), dict(
-                         (job.id, run) for job, run in self.store.running())))
+    async def look(self) -> None:
+        """The round's Volcano Jobs; how running pods ended is known (the watch's first list) before any run is
+        judged."""
+        await self.pods_seen.wait()
+        self.cluster = await self.volcano_jobs()
         for job_id in list(self.deleting):
-            if job_id not in cluster:
+            if job_id not in self.cluster:
                 del self.deleting[job_id]
+
+    async def tidy(self, live: Mapping[str, Job], policy: Policy) -> None:
+        """Waiting jobs whose Volcano Job Volcano restarted (a new run), Volcano Jobs of jobs that are over, and what
+        the watch told of the pods of jobs that are over."""
         for job in live.values():
-            found = cluster.get(job.id)
-            if job.state == "running" and job.id in running:
-                await self._each(job.id, self._follow(job, running[job.id], found, policy))
-            elif job.state in ("queued", "restarting") and found is not None and job.id not in self.deleting:
-                await self._each(job.id, self._restarted(job, found, policy))
-        for job in waiting:
-            if job.id not in cluster:
-                await self._each(job.id, self._submit(job, policy))
-        for job_id, found in cluster.items():  # a job gpupool ended (or cancelled while no hub ran) that Volcano
-            if job_id not in live and _phase_state(found) not in (*OVER, "unknown"):  # would still run: end it there
-                await self._each(job_id, self._delete(job_id))
+            found = self.cluster.get(job.id)
+            if job.state in ("queued", "restarting") and found is not None and job.id not in self.deleting:
+                await self.runner.each(job.id, self._restarted(job, found, policy))
+        for job_id, found in self.cluster.items():  # a job gpupool ended (or cancelled while no hub ran) that
+            if job_id not in live and _phase_state(found) not in (*OVER, "unknown"):  # Volcano would still run
+                await self.runner.each(job_id, self._delete(job_id))
         for key in [k for k in {*self.ends, *self.started} if k[0] not in live]:  # what the watch told of the
             self.ends.pop(key, None)  # pods of jobs that ended
             self.started.pop(key, None)
             self.finished.pop(key, None)
         self.pod_logs.forget(live)
 
-    async def _each(self, job_id: str, work) -> None:
-        """One job's part of a round: its failure is said and tried again next round, the others go on."""
-        try:
-            await work
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # an API error, a Volcano Job gpupool cannot read
-            self.log.exception("gpupool job %s: this round failed for it; trying again", job_id)
-
     # --- starting ----------------------------------------------------------------------------------------
 
-    async def _submit(self, job: Job, policy: Policy) -> None:
-        """Through the one door, then to Volcano: a waiting job without a Volcano Job."""
+    async def submit(self, job: Job, policy: Policy) -> None:
+        """Through the one door, then to Volcano: a waiting job without a Volcano Job (one with a Volcano Job
+        Volcano restarted is the round's end's, `tidy`)."""
         from kubernetes_asyncio.client import ApiException
 
-        problem = policy_problem(policy, job)
-        if problem:
-            await asyncio.to_thread(self.store.refuse, job.id, problem, periods.utcnow())
+        if job.id in self.cluster or await self.runner.refused_by_policy(job, policy):
             return
         profile = policy.profiles[job.profile]
         now = periods.utcnow()
         holding, deprioritized = None, False
         if profile.gpu is not None:
             holding = job_run_key(job.id, now)
-            request = AdmissionRequest(user=job.user, team=job.team, at=now, profile=job.profile)
-            result = await asyncio.to_thread(notify.admit, policy, self.ledger, request, holding, self.log)
-            decision = result.decision
-            if decision.action == "deny":
-                await asyncio.to_thread(self.store.refuse, job.id, decision.reason, now)
-                return
+            decision = await self.runner.admit(job, policy, holding, now)
             if not decision.admitted:
-                await asyncio.to_thread(self.store.set_reason, job.id, f"waiting for quota: {decision.reason}")
+                await self.runner.turned_away(job, decision, now)
                 return
             deprioritized = decision.priority == LOWEST_PRIORITY
         image = job.image if job.image in profile.images else None
@@ -289,14 +245,14 @@ class KubeJobRunner:
             manifest = volcano_job(spec, policy, self.release, self.namespace, default_image=self.default_image)
             run = await asyncio.to_thread(self.store.start_run, job.id, now, holding=holding, cluster_retry=0)
         except ValueError as error:
-            await self._give_back(holding)
-            await asyncio.to_thread(self.store.refuse, job.id, f"cannot run in the cluster: {error}", now)
+            await self.runner.give_back(holding)
+            await self.runner.refuse(job, f"cannot run in the cluster: {error}")
             return
         except BaseException:  # nothing was made: the holding goes (the next round asks the door again)
-            await asyncio.shield(self._give_back(holding))
+            await asyncio.shield(self.runner.give_back(holding))
             raise
         if run is None:  # cancelled meanwhile
-            await self._give_back(holding)
+            await self.runner.give_back(holding)
             return
         try:
             await self.custom.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, manifest)
@@ -320,8 +276,7 @@ class KubeJobRunner:
         self.log.error("gpupool job %s: the Kubernetes API refused its Volcano Job (%s): %s", job.id,
                        error.status, said)
         await self._end(job, run, Ended(Event.FAILED, None), periods.utcnow(), policy)
-        await asyncio.to_thread(self.store.refuse, job.id, f"the Kubernetes API refused its Volcano Job "
-                                f"({error.status}): {said}", periods.utcnow())
+        await self.runner.refuse(job, f"the Kubernetes API refused its Volcano Job ({error.status}): {said}")
 
     async def _restarted(self, job: Job, found: dict, policy: Policy) -> None:
         """A waiting job whose Volcano Job is still there: Volcano runs it again (its restart), a new run."""
@@ -329,69 +284,64 @@ class KubeJobRunner:
         if state.state in OVER:  # it will not run again by itself: a new Volcano Job when its turn comes
             await self._delete(job.id)
             return
-        problem = policy_problem(policy, job)
-        if problem:
+        if policy_problem(policy, job):
             await self._delete(job.id)
-            await asyncio.to_thread(self.store.refuse, job.id, problem, periods.utcnow())
+            await self.runner.refused_by_policy(job, policy)
             return
         profile = policy.profiles[job.profile]
         now = periods.utcnow()
         holding = None
         if profile.gpu is not None:  # a restart is a new run through the same door as any other
             holding = job_run_key(job.id, now)
-            request = AdmissionRequest(user=job.user, team=job.team, at=now, profile=job.profile)
-            decision = (await asyncio.to_thread(notify.admit, policy, self.ledger, request, holding,
-                                                self.log)).decision
+            decision = await self.runner.admit(job, policy, holding, now)
             if not decision.admitted:  # its Volcano Job goes; the job waits (or fails) as a new submission would
                 await self._delete(job.id)
-                if decision.action == "deny":
-                    await asyncio.to_thread(self.store.refuse, job.id, decision.reason, now)
-                else:
-                    await asyncio.to_thread(self.store.set_reason, job.id, f"waiting for quota: {decision.reason}")
+                await self.runner.turned_away(job, decision, now)
                 return
         try:
             run = await asyncio.to_thread(self.store.start_run, job.id, now, holding=holding,
                                           cluster_retry=state.retries)
         except BaseException:
-            await asyncio.shield(self._give_back(holding))
+            await asyncio.shield(self.runner.give_back(holding))
             raise
         if run is None:  # cancelled meanwhile
-            await self._give_back(holding)
+            await self.runner.give_back(holding)
         else:
             await asyncio.to_thread(self.store.set_reason, job.id, f"restarted by Volcano: {state.reason}",
                                     ("running",))
             self.log.info("gpupool job %s: run %d is Volcano's restart %d", job.id, run.attempt, state.retries)
 
-    async def _give_back(self, holding: str | None) -> None:
-        if holding:  # reserved, never billed
-            await asyncio.to_thread(self.ledger.close_run, holding, periods.utcnow(), HowEnded.FAILED)
-
     # --- following and ending ------------------------------------------------------------------------------
 
-    async def _follow(self, job: Job, run: Run, found: dict | None, policy: Policy) -> None:
+    async def stop(self, job: Job, run: Run, why: Event, policy: Policy) -> None:
+        """Its Volcano Job deleted (its pod gets the grace period to save), billed until it is gone; the run ends
+        once it is (or, a pod stuck in Terminating, `DELETE_WAIT_S` past the grace period)."""
         now = periods.utcnow()
-        if job.cancel_requested or job.suspend_requested:
-            if found is not None:
-                key = (job.id, _submission(found), run.cluster_retry or 0)
-                if key not in self.started and job.id not in self.deleting:
-                    await self._look(job.id)  # whether its pod ran, told sooner than the watch may
-                since = parse_time(self.started.get(key))
-                if since is not None and run.holding is not None:  # billed from its start until the Job is gone
-                    await self._bill(job, run, since, policy)
-                asked = self.deleting.get(job.id)
-                if asked is not None and time.monotonic() - asked > policy.jobs.grace_seconds + DELETE_WAIT_S:
-                    # Its pod hangs in Terminating (its node lost, a finalizer): the run ends now, and is billed
-                    # no further; the Volcano Job goes when its pod does.
-                    self.log.warning("gpupool job %s: its Volcano Job is still not gone %d s after its deletion; "
-                                     "its run ends now", job.id, time.monotonic() - asked)
-                    why = Event.CANCELLED if job.cancel_requested else Event.SUSPENDED
-                    await self._end(job, run, Ended(why, None), now, policy)
-                    return
-                await self._delete(job.id)  # the pods get their grace period to save
+        found = self.cluster.get(job.id)
+        if found is not None:
+            key = (job.id, _submission(found), run.cluster_retry or 0)
+            if key not in self.started and job.id not in self.deleting:
+                await self._look(job.id)  # whether its pod ran, told sooner than the watch may
+            since = parse_time(self.started.get(key))
+            if since is not None and run.holding is not None:  # billed from its start until the Job is gone
+                await self._bill(job, run, since, policy)
+            asked = self.deleting.get(job.id)
+            if asked is not None and time.monotonic() - asked > policy.jobs.grace_seconds + DELETE_WAIT_S:
+                # Its pod hangs in Terminating (its node lost, a finalizer): the run ends now, and is billed
+                # no further; the Volcano Job goes when its pod does.
+                self.log.warning("gpupool job %s: its Volcano Job is still not gone %d s after its deletion; "
+                                 "its run ends now", job.id, time.monotonic() - asked)
+                await self._end(job, run, Ended(why, None), now, policy)
                 return
-            why = Event.CANCELLED if job.cancel_requested else Event.SUSPENDED
-            await self._end(job, run, Ended(why, None), now, policy)
+            await self._delete(job.id)  # the pods get their grace period to save
             return
+        await self._end(job, run, Ended(why, None), now, policy)
+
+    async def follow(self, job: Job, run: Run, policy: Policy) -> None:
+        """How its Volcano Job stands: billed while its pod runs; ended, as its pod ended, once Volcano moved on
+        (a restart or an ended phase)."""
+        now = periods.utcnow()
+        found = self.cluster.get(job.id)
         if found is None:
             # Deleted by someone else (an administrator's kubectl): not the job's failure; it is submitted again.
             self.log.warning("gpupool job %s: its Volcano Job is gone; it goes back to the queue", job.id)
@@ -448,17 +398,16 @@ class KubeJobRunner:
         self.billed[run.holding] = (runs, time.monotonic())
 
     async def _end(self, job: Job, run: Run, ended: Ended, at: datetime, policy: Policy) -> Next | None:
+        """The run's end, recorded by the runner once its output is all in its log; what the watch told of its
+        pods goes."""
         await self.pod_logs.settle(job.id)  # the run's output is all in its log before its end is told
-        following = await asyncio.to_thread(self.store.end_run, job.id, run.attempt, ended, at, policy)
+        following = await self.runner.end(job, run, ended, at, policy)
         if run.holding:
-            await asyncio.to_thread(self.ledger.close_run, run.holding, at, LEDGER_END[ended.event])
             self.billed.pop(run.holding, None)
         for key in [k for k in {*self.ends, *self.started} if k[0] == job.id and k[2] <= (run.cluster_retry or 0)]:
             self.ends.pop(key, None)
             self.started.pop(key, None)
             self.finished.pop(key, None)
-        self.log.info("gpupool job %s: run %d ended (%s, exit %s): %s", job.id, run.attempt, ended.event.value,
-                      ended.exit_code, following.reason if following is not None else "already ended")
         return following
 
     async def _delete(self, job_id: str) -> None:
@@ -505,3 +454,6 @@ def _api_message(error) -> str:
         return json.loads(error.body).get("message") or str(error.reason)
     except (TypeError, ValueError, AttributeError):
         return str(getattr(error, "reason", error))
+
+
+_: type[JobBackend] = VolcanoBackend  # conformance, as Kueue's adapters assert theirs (and the tests at run time)

@@ -45,7 +45,8 @@ from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR, load_policy
 from gpupool.spawner.jobs.volcano_objects import (
     EVICTION_HEADROOM, JOB_ID_LABEL, JobSpec, job_name, running_since, volcano_job,
 )
-from gpupool.spawner.jobs.volcano import KubeJobRunner, parse_time
+from gpupool.spawner.jobs.runner import JobRunner
+from gpupool.spawner.jobs.volcano import VolcanoBackend, parse_time
 from gpupool.spawner.kube import GPUKubeSpawner
 from gpupool.spawner.usage import get_ledger
 from gpupool.spawner.volcano import Release
@@ -655,10 +656,10 @@ async def job_cluster(cluster, tmp_path, ledger):
     await api.close()
 
 
-def runner_for(jobs) -> KubeJobRunner:
-    return KubeJobRunner(jobs.store, jobs.ledger, lambda: jobs.policy, jobs.custom, jobs.core, NAMESPACE,
-                         Release(), "quay.io/jupyterhub/singleuser:5.3", logging.getLogger("test-kube-jobs"),
-                         tick=0.2)
+def runner_for(jobs) -> JobRunner:
+    backend = VolcanoBackend(jobs.custom, jobs.core, NAMESPACE, Release(), "quay.io/jupyterhub/singleuser:5.3")
+    return JobRunner(jobs.store, jobs.ledger, lambda: jobs.policy, backend, logging.getLogger("test-kube-jobs"),
+                     tick=0.2)
 
 
 def submit(jobs, user: str = "alice", **options) -> Job:
@@ -788,7 +789,8 @@ async def test_a_job_is_a_volcano_job_whose_failures_restart_it_until_its_restar
         # Both runs' output, each byte once (the restarted hub read run 2's log again and kept only what was new),
         # with which pod and node each was and how it ended, after Volcano deleted both pods.
         await until("its pods gone", lambda: job_pod(cluster, job.id) is None)
-        await until("the pods' logs all kept", lambda: all(task.done() for _, task in runner.pod_logs.tasks.values()))
+        await until("the pods' logs all kept",
+                    lambda: all(task.done() for _, task in runner.backend.pod_logs.tasks.values()))
         expected = (f"{pod_header(pod)}step 1 loss 0.9\nstep 2 loss 0.8\n{pod_footer(pod, 'failed, exit code 3')}"
                     f"{pod_header(pod2)}resumed from step 2\nstep 3 loss 0.7\n{pod_footer(pod2, 'failed, exit code 3')}")
         text = job_log_text(jobs, job.id)
