@@ -42,6 +42,17 @@ def _policy_check(args: argparse.Namespace) -> int:
             print(f"{directory}: refused for the Kubernetes mode ({len(found)} profile"
                   f"{'s' if len(found) > 1 else ''} above); nothing was changed", file=sys.stderr)
             return 1
+    if policy.settings.engine == "yunikorn":
+        from gpupool.hub.render import engine_problems
+        from gpupool.policies.engines import yunikorn_problems
+
+        if problems := yunikorn_problems(policy):
+            # What YuniKorn's own validator refuses in the queues `gpupool render` would write.
+            for line in engine_problems(directory, problems):
+                print(f"error: under settings.engine 'yunikorn', {line}", file=sys.stderr)
+            print(f"{directory}: refused for YuniKorn ({len(problems)} problem{'s' if len(problems) > 1 else ''} "
+                  "above); nothing was changed", file=sys.stderr)
+            return 1
     print(f"OK {directory}: {policy.summary()}" + (f" (in force on the platform in {state})" if in_force else ""))
     if in_force:
         from gpupool.hub.up import unlisted_roles

@@ -70,6 +70,25 @@ def policy_files(directory: Path) -> dict[str, str]:
     return {p.name: p.read_text(encoding="utf-8") for p in policy_file_paths(directory)}
 
 
+def engine_problems(directory: Path, problems: list[tuple[tuple[str, ...], str]]) -> list[str]:
+    """Each problem `gpupool.policies.engines` finds as `<file>: <field>: <message>`, the file being the policy
+    file that defines the team (`teams.<team>`) the field belongs to."""
+    import yaml
+
+    from gpupool.policies.loader import policy_file_paths
+
+    defined: dict[str, str] = {}
+    for path in policy_file_paths(directory):
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError):  # loaded a moment ago; a file changed since is reported elsewhere
+            continue
+        for team in (data.get("teams") or {}) if isinstance(data, dict) else {}:
+            defined.setdefault(team, str(path))
+    return [f"{defined.get(path[1], str(directory)) if path[:1] == ('teams',) else str(directory)}: "
+            f"{'.'.join(path)}: {message}" for path, message in problems]
+
+
 def object_filename(index: int, obj: dict[str, Any]) -> str:
     # The index keeps the apply order (`kubectl apply -f DIR` reads files in name order): parent queues first.
     return f"{index:03d}-{obj['kind'].lower()}-{obj['metadata']['name']}.yaml"
@@ -122,6 +141,12 @@ def main(args: argparse.Namespace) -> int:
         print("gpupool render: nothing was rendered", file=sys.stderr)
         return 1
     engine = policy.settings.engine
+    if engine == "yunikorn" and (problems := engines.yunikorn_problems(policy)):
+        # What YuniKorn's own validator refuses: it would keep its previous queues and log the reason.
+        for line in engine_problems(directory, problems):
+            print(f"gpupool render: {line}", file=sys.stderr)
+        print("gpupool render: nothing was rendered", file=sys.stderr)
+        return 1
     try:
         release = volcano.Release(args.release, args.namespace, args.device_plugin_namespace)
         if engine == "yunikorn" and not (DNS_LABEL.fullmatch(args.yunikorn_namespace)

@@ -6,9 +6,12 @@ volcano`). Pure functions.
 One policy, two engines: each team is a queue `root.<team>` (a team with a `queue.parent` sits under its
 parent's queue), with the same meaning as its Volcano Queue (docs/kubernetes.md has the field-by-field table):
 - `queue.capability` → `resources.max`;
-- `queue.deserved` (else `queue.guarantee`) → `resources.guaranteed`: YuniKorn's preemption is driven by the
-  guarantees (a pod in a queue under its `guaranteed` evicts from a queue over its own), as Volcano's
-  reclaim is by `deserved`;
+- `queue.deserved` and `queue.guarantee`, per resource the larger of the two (as Volcano's capacity plugin reads
+  a queue's deserved) → `resources.guaranteed`: YuniKorn's preemption is driven by the guarantees (a pod in a
+  queue under its `guaranteed` evicts from a queue over its own), as Volcano's reclaim is by `deserved`;
+- quantities in YuniKorn's integer units (it parses digits only): cpu as `vcore` in millicores (`1500m`), memory
+  in bytes, every other resource as a whole count; what cannot be written so is refused by
+  `gpupool.policies.engines.yunikorn_problems`, as is a tree YuniKorn's validator refuses;
 - `priority` → the property `priority.offset`;
 - `queue.reclaimable: false` → the property `preemption.policy: disabled` (its pods are never victims; YuniKorn
   passes it down from a parent queue to every queue below);
@@ -24,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from gpupool.policies import engines
 from gpupool.policies.model import Policy
 from gpupool.spawner import volcano
 
@@ -42,8 +46,6 @@ ROOT_QUEUE = "root"
 #: `constants.LabelApplicationID`).
 QUEUE_LABEL = "queue"
 APPLICATION_LABEL = "applicationId"
-#: Policy resource names that YuniKorn names otherwise (its core counts CPU as `vcore`, in millicores).
-_RESOURCE_NAMES = {"cpu": "vcore"}
 
 
 def queue_path(policy: Policy, team: str) -> str:
@@ -56,17 +58,18 @@ def queue_path(policy: Policy, team: str) -> str:
     return ".".join([ROOT_QUEUE, *reversed(parts)])
 
 
-def _resources(resources: Mapping[str, Any] | None) -> dict[str, str]:
-    return {_RESOURCE_NAMES.get(name, name): str(value) for name, value in sorted((resources or {}).items())}
+def _resources(resources: Mapping[str, int]) -> dict[str, str]:
+    """YuniKorn's text for integer amounts: vcore with the millicore suffix, the rest as plain digits."""
+    return {name: f"{value}m" if name == "vcore" else str(value) for name, value in sorted(resources.items())}
 
 
 def _queue(policy: Policy, team: str) -> dict[str, Any]:
     settings = policy.teams[team].queue
     config: dict[str, Any] = {"name": volcano.team_queue(team)}
     resources = {}
-    if guaranteed := _resources(settings.deserved or settings.guarantee):
+    if guaranteed := _resources(engines.yunikorn_guaranteed(policy, team)):
         resources["guaranteed"] = guaranteed
-    if most := _resources(settings.capability):
+    if most := _resources(engines.yunikorn_resources(settings.capability)):
         resources["max"] = most
     if resources:
         config["resources"] = resources
@@ -84,7 +87,10 @@ def _queue(policy: Policy, team: str) -> dict[str, Any]:
 def queues_config(policy: Policy) -> dict[str, Any]:
     """YuniKorn's queue configuration (`queues.yaml`) for `policy`: one partition, `root` open to every
     submitter (gpupool admits before a pod exists) and a queue per team; a pod names its queue (the `provided`
-    placement rule creates none: a pod naming no queue of these is rejected)."""
+    placement rule creates none: a pod naming no queue of these is rejected). ValueError naming the team's
+    field for what YuniKorn's validator would refuse (`engines.yunikorn_problems`)."""
+    if problems := engines.yunikorn_problems(policy):
+        raise ValueError("; ".join(f"{'.'.join(path)}: {message}" for path, message in problems))
     tops = sorted(name for name, team in policy.teams.items() if team.queue.parent is None)
     return {"partitions": [{
         "name": PARTITION,

@@ -7,7 +7,9 @@ What is checked for real here: the `yunikorn-configs` ConfigMap that `gpupool re
 shows the queues, their `guaranteed` and `max` and priority offsets) and a second apply changes nothing; a pod
 bound to its team's queue as the Kubernetes mode binds it (`schedulerName: yunikorn`, the `queue` and
 `applicationId` labels, the profile's GPU resources, node selector and tolerations) reaches Running on a fake
-GPU node of its model; a queue at its `max` holds the next pod with YuniKorn's own reason in its events, and a
+GPU node of its model; YuniKorn's own validator (`/ws/v1/validate-conf`) allows the queues rendered for a few
+policies (fractional cpu and memory, a three-level tree) and refuses what gpupool no longer writes; a queue at
+its `max` holds the next pod with YuniKorn's own reason in its events, and a
 raised `max`, rendered and applied again, lets it run (YuniKorn reads the ConfigMap live).
 
 Not here yet (docs/kubernetes.md, "Choosing an engine"): `GPUKubeSpawner` still binds notebooks to Volcano's
@@ -69,8 +71,15 @@ PROFILES = {"profiles": {
 
 
 def write_policy(folder: Path, teams: dict = TEAMS) -> Path:
+    """The module's policy with `teams`; its profiles go to the teams that hold no other team (all, for teams
+    other than the module's)."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name, content in (("cluster.yaml", CLUSTER), ("teams.yaml", teams), ("profiles.yaml", PROFILES)):
+    profiles = PROFILES
+    if set(teams["teams"]) != set(TEAMS["teams"]):
+        parents = {team["queue"].get("parent") for team in teams["teams"].values()}
+        leaves = [name for name in teams["teams"] if name not in parents]
+        profiles = {"profiles": {slug: {**profile, "teams": leaves} for slug, profile in PROFILES["profiles"].items()}}
+    for name, content in (("cluster.yaml", CLUSTER), ("teams.yaml", teams), ("profiles.yaml", profiles)):
         (folder / name).write_text(yaml.safe_dump(content, sort_keys=False))
     return folder
 
@@ -140,6 +149,44 @@ def test_yunikorn_loads_the_rendered_queues_and_a_second_apply_changes_nothing(c
     apply(cluster, render(cluster.policies))  # rendered again from the same policy
     assert {(o["kind"], o["metadata"]["name"]): cluster.get(path(o))["metadata"]["resourceVersion"]
             for o in yaml.safe_load_all(cluster.manifest)} == versions  # nothing was written
+
+
+#: Policies whose rendered queues YuniKorn's own validator must allow: fractional cpu and memory (YuniKorn parses
+#: integers only), a guarantee above deserved (guaranteed is the larger), a three-level tree, a non-reclaimable
+#: parent.
+VALIDATED = {
+    "fractions": {"teams": {
+        "students": {"queue": {"capability": {"cpu": "2.5", "memory": "1.5Gi", "nvidia.com/gpu": 4},
+                               "deserved": {"cpu": "0.5", "memory": "500Mi", "nvidia.com/gpu": 1},
+                               "guarantee": {"nvidia.com/gpu": 2, "cpu": "1.5"}}}}},
+    "tree": {"teams": {
+        "lab": {"queue": {"reclaimable": False, "capability": {"cpu": 64, "nvidia.com/gpu": 8},
+                          "deserved": {"cpu": 16, "nvidia.com/gpu": 4}, "guarantee": {"memory": "64Gi"}}},
+        "group": {"queue": {"parent": "lab", "deserved": {"cpu": "15.5", "nvidia.com/gpu": 3},
+                            "guarantee": {"memory": "32Gi"}}},
+        "project": {"members": ["carol"], "queue": {"parent": "group", "capability": {"nvidia.com/gpu": 2},
+                                                    "deserved": {"cpu": "0.25", "nvidia.com/gpu": 2}}}}},
+}
+
+
+@pytest.mark.parametrize("name", ["module", *VALIDATED])
+def test_yunikorns_validator_allows_the_rendered_queues(cluster, name, tmp_path):
+    teams = TEAMS if name == "module" else VALIDATED[name]
+    rendered = next(o for o in yaml.safe_load_all(render(write_policy(tmp_path / name, teams)))
+                    if o["metadata"]["name"] == yunikorn.CONFIGMAP)
+    reply = requests.post(f"{cluster.yunikorn_url}/ws/v1/validate-conf", data=rendered["data"]["queues.yaml"],
+                          timeout=10)
+    reply.raise_for_status()
+    assert reply.json() == {"allowed": True}, (reply.json(), rendered["data"]["queues.yaml"])
+
+
+def test_yunikorns_validator_refuses_what_the_policy_check_refuses(cluster):
+    # the same endpoint says no to what gpupool no longer writes: a fractional cpu, a guaranteed above max
+    for text, reason in (("1.5", "invalid quantity"), ("3", "larger than maximum resource")):
+        queues = {"partitions": [{"name": "default", "queues": [{"name": "root", "queues": [
+            {"name": "t", "resources": {"guaranteed": {"vcore": text}, "max": {"vcore": "2"}}}]}]}]}
+        reply = requests.post(f"{cluster.yunikorn_url}/ws/v1/validate-conf", data=yaml.safe_dump(queues), timeout=10)
+        assert reply.json()["allowed"] is False and reason in reply.json()["reason"], reply.json()
 
 
 def test_yunikorn_listens_on_loopback_only(cluster):

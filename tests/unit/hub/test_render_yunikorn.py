@@ -8,6 +8,7 @@ import contextlib
 import io
 from pathlib import Path
 
+import pytest
 import yaml
 
 from gpupool.hub.cli import main
@@ -24,7 +25,8 @@ TEAMS = {"teams": {
     # listed children first: the configuration is ordered by name, parents holding their children
     "vision": {"priority": 100, "queue": {"parent": "research", "guarantee": {"nvidia.com/gpu": 2, "cpu": 8}}},
     "students": {"priority": 10, "queue": {"capability": {"nvidia.com/gpu": 4},
-                                           "deserved": {"cpu": "16", "memory": "128Gi", "nvidia.com/gpu": 2}}},
+                                           "deserved": {"cpu": "1.5", "memory": "1.5Gi", "nvidia.com/gpu": 2},
+                                           "guarantee": {"nvidia.com/gpu": 3}}},
     "research": {"priority": 100, "queue": {"weight": 4, "reclaimable": False,
                                             "capability": {"cpu": 512, "memory": "4Ti", "nvidia.com/gpu": 32},
                                             "deserved": {"cpu": 256, "memory": "2Ti", "nvidia.com/gpu": 16},
@@ -39,14 +41,16 @@ EXPECTED = {"partitions": [{
     "preemption": {"enabled": True},
     "queues": [{"name": "root", "submitacl": "*", "parent": True, "queues": [
         {"name": "research", "parent": True,
-         # deserved wins over guarantee; cpu is YuniKorn's vcore
-         "resources": {"guaranteed": {"vcore": "256", "memory": "2Ti", "nvidia.com/gpu": "16"},
-                       "max": {"vcore": "512", "memory": "4Ti", "nvidia.com/gpu": "32"}},
+         # per resource the larger of deserved and guarantee; cpu is YuniKorn's vcore, in millicores, memory in
+         # bytes: YuniKorn parses integers only
+         "resources": {"guaranteed": {"vcore": "256000m", "memory": str(2 * 2**40), "nvidia.com/gpu": "16"},
+                       "max": {"vcore": "512000m", "memory": str(4 * 2**40), "nvidia.com/gpu": "32"}},
          "properties": {"priority.offset": "100", "preemption.policy": "disabled"},
-         "queues": [{"name": "vision", "resources": {"guaranteed": {"vcore": "8", "nvidia.com/gpu": "2"}},
+         "queues": [{"name": "vision", "resources": {"guaranteed": {"vcore": "8000m", "nvidia.com/gpu": "2"}},
                      "properties": {"priority.offset": "100"}}]},
         {"name": "students",
-         "resources": {"guaranteed": {"vcore": "16", "memory": "128Gi", "nvidia.com/gpu": "2"},
+         # guarantee (3 GPUs) above deserved (2) is what YuniKorn guarantees; 1.5 cores are 1500 millicores
+         "resources": {"guaranteed": {"vcore": "1500m", "memory": str(3 * 2**29), "nvidia.com/gpu": "3"},
                        "max": {"nvidia.com/gpu": "4"}},
          "properties": {"priority.offset": "10"}},
     ]}],
@@ -73,6 +77,70 @@ def render(*args: str) -> tuple[int, str, str]:
 def test_the_queue_configuration_is_the_policys_teams_as_yunikorn_queues(tmp_path):
     assert yunikorn.queues_config(load_policy(policy_dir(tmp_path))) == EXPECTED
     assert yunikorn.queue_path(load_policy(policy_dir(tmp_path)), "vision") == "root.research.vision"
+
+
+def check(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["policy", "check", *args])
+    return code, out.getvalue(), err.getvalue()
+
+
+def refused_by_both(directory: Path, field: str, *words: str) -> None:
+    """`gpupool render` writes nothing and `gpupool policy check` refuses, each naming the file defining the team,
+    the field and `words`."""
+    code, out, err = render("--policies", str(directory))
+    assert code == 1 and out == "" and "nothing was rendered" in err
+    line = next(line for line in err.splitlines() if f": {field}: " in line)
+    assert f"{directory / 'teams.yaml'}: {field}: " in line and all(word in line for word in words), line
+    code, out, err = check(str(directory))
+    assert code == 1 and out == "" and "refused for YuniKorn" in err
+    line = next(line for line in err.splitlines() if f": {field}: " in line)
+    assert f"{directory / 'teams.yaml'}: {field}: " in line and all(word in line for word in words), line
+
+
+@pytest.mark.parametrize("resource, value, words", [
+    ("cpu", "0.0005", ["not a whole number of millicores", "accepted: e.g. 2, 1.5, 500m"]),
+    ("memory", "500m", ["not a whole number of bytes", "accepted: e.g. 512Mi, 1.5Gi"]),
+    ("nvidia.com/gpu", "0.5", ["not a whole number", "nvidia.com/gpu.shared"]),
+])
+def test_a_quantity_yunikorn_cannot_write_as_an_integer_is_refused_naming_file_and_field(
+        resource, value, words, tmp_path):
+    teams = yaml.safe_load(yaml.safe_dump(TEAMS))
+    teams["teams"]["students"]["queue"]["deserved"][resource] = value
+    refused_by_both(policy_dir(tmp_path, teams=teams), "teams.students.queue.deserved", f"{resource} {value}", *words)
+
+
+def test_a_guaranteed_above_the_queues_own_max_is_refused(tmp_path):
+    teams = yaml.safe_load(yaml.safe_dump(TEAMS))
+    teams["teams"]["students"]["queue"]["guarantee"] = {"nvidia.com/gpu": 6}  # max is 4
+    refused_by_both(policy_dir(tmp_path, teams=teams), "teams.students.queue.capability",
+                    "guaranteed nvidia.com/gpu 6", "max nvidia.com/gpu 4", "larger than its max")
+
+
+def test_a_max_above_a_grandparents_is_refused(tmp_path):
+    # the policy check compares a child with its parent; YuniKorn with the smallest max above it
+    teams = yaml.safe_load(yaml.safe_dump(TEAMS))
+    teams["teams"]["students"]["queue"] = {"parent": "vision", "capability": {"nvidia.com/gpu": 40}}
+    refused_by_both(policy_dir(tmp_path, teams=teams), "teams.students.queue.capability",
+                    "capability nvidia.com/gpu 40", "parent's max", "nvidia.com/gpu 32")
+
+
+def test_a_parent_whose_guaranteed_is_below_its_childrens_sum_is_refused():
+    # The policy check on load already refuses such a tree (policies.references): checked on a policy built
+    # past it, the YuniKorn check refuses it too, as YuniKorn's validator does.
+    from gpupool.policies.engines import yunikorn_problems
+    from gpupool.policies.model import Policy
+
+    policy = Policy.model_validate({**CLUSTER, "teams": {
+        "research": {"queue": {"deserved": {"nvidia.com/gpu": 2}}},
+        "vision": {"queue": {"parent": "research", "guarantee": {"nvidia.com/gpu": 2}}},
+        "nlp": {"queue": {"parent": "research", "deserved": {"nvidia.com/gpu": 1}}}}})
+    [(path, message)] = yunikorn_problems(policy)
+    assert path == ("teams", "research", "queue", "deserved")
+    assert "children's (nlp, vision) guaranteed add up to nvidia.com/gpu 3" in message
+    with pytest.raises(ValueError, match="teams.research.queue.deserved"):
+        yunikorn.queues_config(policy)
 
 
 def test_jobs_preemption_off_turns_the_partitions_preemption_off(tmp_path):
