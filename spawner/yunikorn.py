@@ -12,7 +12,9 @@ parent's queue), with the same meaning as its Volcano Queue (docs/kubernetes.md 
 - quantities in YuniKorn's integer units (it parses digits only): cpu as `vcore` in millicores (`1500m`), memory
   in bytes, every other resource as a whole count; what cannot be written so is refused by
   `gpupool.policies.engines.yunikorn_problems`, as is a tree YuniKorn's validator refuses;
-- `priority` → the property `priority.offset`;
+- `priority` → nothing in the queues: the team's PriorityClass (`gpupool-<team>`, which its pods name) alone
+  ranks its pods. YuniKorn adds every queue's `priority.offset` on a pod's path to the pod's own priority
+  (core queue.go), so an offset of the team's priority would count it twice;
 - `queue.reclaimable: false` → the property `preemption.policy: disabled` (its pods are never victims; YuniKorn
   passes it down from a parent queue to every queue below);
 - `jobs.preemption.enabled` → the partition's `preemption.enabled`.
@@ -73,10 +75,11 @@ def _queue(policy: Policy, team: str) -> dict[str, Any]:
         resources["max"] = most
     if resources:
         config["resources"] = resources
-    properties = {"priority.offset": str(policy.teams[team].priority)}
+    properties = {}
     if not settings.reclaimable:
         properties["preemption.policy"] = "disabled"
-    config["properties"] = properties
+    if properties:
+        config["properties"] = properties
     children = sorted(name for name, other in policy.teams.items() if other.queue.parent == team)
     if children:
         config["parent"] = True

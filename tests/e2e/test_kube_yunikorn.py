@@ -4,7 +4,7 @@ KUBECONFIG) against the suite's API server and KWOK's fake GPU nodes; no Volcano
 
 What is checked for real here: the `yunikorn-configs` ConfigMap that `gpupool render` writes for a policy whose
 `settings.engine` is `yunikorn` is applied server-side, loaded by YuniKorn as the policy says (its REST API
-shows the queues, their `guaranteed` and `max` and priority offsets) and a second apply changes nothing; a pod
+shows the queues, their `guaranteed` and `max`, no priority offset) and a second apply changes nothing; a pod
 bound to its team's queue as the Kubernetes mode binds it (`schedulerName: yunikorn`, the `queue` and
 `applicationId` labels, the profile's GPU resources, node selector and tolerations) reaches Running on a fake
 GPU node of its model; YuniKorn's own validator (`/ws/v1/validate-conf`) allows the queues rendered for a few
@@ -140,7 +140,9 @@ def test_yunikorn_loads_the_rendered_queues_and_a_second_apply_changes_nothing(c
     # YuniKorn took it as the policy says (its own view of the queues, from its REST API)
     vision = queue_info(cluster, "root.research.vision")
     assert vision["maxResource"] == {"nvidia.com/gpu": 1} and vision["guaranteedResource"] == {"nvidia.com/gpu": 1}
-    assert vision["properties"]["priority.offset"] == "100"
+    # no priority offset: the team's PriorityClass alone ranks its pods (YuniKorn would add an offset to it)
+    assert "priority.offset" not in (vision.get("properties") or {})
+    assert cluster.get("/apis/scheduling.k8s.io/v1/priorityclasses/gpupool-vision")["value"] == 100
     assert queue_info(cluster, "root.research")["maxResource"] == {"nvidia.com/gpu": 8}
     assert queue_info(cluster, "root.nlp")["properties"]["preemption.policy"] == "disabled"
 

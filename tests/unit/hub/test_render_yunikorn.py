@@ -45,14 +45,12 @@ EXPECTED = {"partitions": [{
          # bytes: YuniKorn parses integers only
          "resources": {"guaranteed": {"vcore": "256000m", "memory": str(2 * 2**40), "nvidia.com/gpu": "16"},
                        "max": {"vcore": "512000m", "memory": str(4 * 2**40), "nvidia.com/gpu": "32"}},
-         "properties": {"priority.offset": "100", "preemption.policy": "disabled"},
-         "queues": [{"name": "vision", "resources": {"guaranteed": {"vcore": "8000m", "nvidia.com/gpu": "2"}},
-                     "properties": {"priority.offset": "100"}}]},
+         "properties": {"preemption.policy": "disabled"},
+         "queues": [{"name": "vision", "resources": {"guaranteed": {"vcore": "8000m", "nvidia.com/gpu": "2"}}}]},
         {"name": "students",
          # guarantee (3 GPUs) above deserved (2) is what YuniKorn guarantees; 1.5 cores are 1500 millicores
          "resources": {"guaranteed": {"vcore": "1500m", "memory": str(3 * 2**29), "nvidia.com/gpu": "3"},
-                       "max": {"nvidia.com/gpu": "4"}},
-         "properties": {"priority.offset": "10"}},
+                       "max": {"nvidia.com/gpu": "4"}}},
     ]}],
 }]}
 
@@ -141,6 +139,18 @@ def test_a_parent_whose_guaranteed_is_below_its_childrens_sum_is_refused():
     assert "children's (nlp, vision) guaranteed add up to nvidia.com/gpu 3" in message
     with pytest.raises(ValueError, match="teams.research.queue.deserved"):
         yunikorn.queues_config(policy)
+
+
+def test_no_queue_carries_a_priority_offset_the_priority_class_alone_ranks_pods(tmp_path):
+    # YuniKorn adds each queue's priority.offset on a pod's path to the pod's priority, which the team's
+    # PriorityClass already sets: an offset would count the team's priority twice (three times under a parent).
+    code, out, err = render("--policies", str(policy_dir(tmp_path)))
+    assert code == 0, err
+    objects = list(yaml.safe_load_all(out))
+    queues = next(o for o in objects if o["metadata"]["name"] == "yunikorn-configs")["data"]["queues.yaml"]
+    assert "priority" not in queues
+    classes = {o["metadata"]["name"]: o["value"] for o in objects if o["kind"] == "PriorityClass"}
+    assert classes["gpupool-vision"] == 100 and classes["gpupool-students"] == 10
 
 
 def test_jobs_preemption_off_turns_the_partitions_preemption_off(tmp_path):
