@@ -1035,6 +1035,9 @@ def test_a_job_submitted_with_the_cli_runs_as_a_volcano_job_restarts_outlives_a_
         assert [(r["event"], r["exit_code"], r["counted"]) for r in job["runs"]] == [("failed", 3, True),
                                                                                     (None, None, False)]
 
+        # Run 2 is on record as soon as Volcano restarts the job; its pod comes when Volcano's controller makes it
+        # (once 20 s later on a busy machine). The crash below is meant to happen while that pod runs.
+        wait("run 2's pod Running", lambda: running_pod(cluster, job_id, 1))
         hub.kill()  # the hub crashes while the job runs, and comes back: the job goes on, its run the same
         hub.start()
         job = shown(job_id)
