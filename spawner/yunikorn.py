@@ -15,8 +15,10 @@ parent's queue), with the same meaning as its Volcano Queue (docs/kubernetes.md 
 - `priority` → nothing in the queues: the team's PriorityClass (`gpupool-<team>`, which its pods name) alone
   ranks its pods. YuniKorn adds every queue's `priority.offset` on a pod's path to the pod's own priority
   (core queue.go), so an offset of the team's priority would count it twice;
-- `queue.reclaimable: false` → the property `preemption.policy: disabled` (its pods are never victims; YuniKorn
-  passes it down from a parent queue to every queue below);
+- `queue.reclaimable: false` → the property `preemption.policy: disabled` (its pods are never victims), written
+  on the team's queue and on every queue below it: YuniKorn copies a parent's property to a child only when it
+  creates the child, and replaces a queue's properties on each reload (core queue.go, ApplyConf), so a child
+  left without it would become a victim after the next change of the ConfigMap;
 - `jobs.preemption.enabled` → the partition's `preemption.enabled`.
 YuniKorn's service settings (`service.schedulingInterval`, …) are not queue configuration: they belong in the
 `yunikorn-defaults` ConfigMap, which the operator's YuniKorn install owns, and gpupool does not write it.
@@ -65,8 +67,9 @@ def _resources(resources: Mapping[str, int]) -> dict[str, str]:
     return {name: f"{value}m" if name == "vcore" else str(value) for name, value in sorted(resources.items())}
 
 
-def _queue(policy: Policy, team: str) -> dict[str, Any]:
+def _queue(policy: Policy, team: str, under_unreclaimable: bool = False) -> dict[str, Any]:
     settings = policy.teams[team].queue
+    unreclaimable = under_unreclaimable or not settings.reclaimable
     config: dict[str, Any] = {"name": volcano.team_queue(team)}
     resources = {}
     if guaranteed := _resources(engines.yunikorn_guaranteed(policy, team)):
@@ -76,14 +79,14 @@ def _queue(policy: Policy, team: str) -> dict[str, Any]:
     if resources:
         config["resources"] = resources
     properties = {}
-    if not settings.reclaimable:
+    if unreclaimable:
         properties["preemption.policy"] = "disabled"
     if properties:
         config["properties"] = properties
     children = sorted(name for name, other in policy.teams.items() if other.queue.parent == team)
     if children:
         config["parent"] = True
-        config["queues"] = [_queue(policy, child) for child in children]
+        config["queues"] = [_queue(policy, child, unreclaimable) for child in children]
     return config
 
 

@@ -62,6 +62,9 @@ TEAMS = {"teams": {
     "vision": {"priority": 100, "members": ["alice"], "queue": {
         "parent": "research", "capability": {"nvidia.com/gpu": 1}, "deserved": {"nvidia.com/gpu": 1}}},
     "nlp": {"priority": 50, "members": ["bob"], "queue": {"reclaimable": False}},
+    # a non-reclaimable parent: its child must stay out of preemption after YuniKorn reloads its configuration
+    "platform": {"queue": {"reclaimable": False}},
+    "infra": {"queue": {"parent": "platform"}},
 }}
 PROFILES = {"profiles": {
     "h200": {"display_name": "1 × H200", "gpu": {"model": "H200", "count": 1}, "teams": ["vision", "nlp"],
@@ -272,6 +275,9 @@ def test_a_pod_in_its_teams_queue_runs_and_one_past_the_queues_max_waits_with_yu
         teams["teams"]["vision"]["queue"]["deserved"] = {"nvidia.com/gpu": 2}
         apply(cluster, render(write_policy(tmp_path / "raised", teams)))
         wait("vision-2 Running once the max is raised", lambda: running(cluster, "vision-2"))
+        # that reload replaced every queue's properties: the child of a non-reclaimable team still says disabled
+        # (YuniKorn copies a parent's property only when it creates the child)
+        assert queue_info(cluster, "root.platform.infra")["properties"]["preemption.policy"] == "disabled"
     finally:
         apply(cluster, render(cluster.policies))
         cluster.kubectl("delete", "pod", "--wait", "--ignore-not-found", "-n", NAMESPACE, "vision-1", "vision-2")

@@ -46,7 +46,9 @@ EXPECTED = {"partitions": [{
          "resources": {"guaranteed": {"vcore": "256000m", "memory": str(2 * 2**40), "nvidia.com/gpu": "16"},
                        "max": {"vcore": "512000m", "memory": str(4 * 2**40), "nvidia.com/gpu": "32"}},
          "properties": {"preemption.policy": "disabled"},
-         "queues": [{"name": "vision", "resources": {"guaranteed": {"vcore": "8000m", "nvidia.com/gpu": "2"}}}]},
+         # below a non-reclaimable team, written on the child too: YuniKorn replaces properties on reload
+         "queues": [{"name": "vision", "resources": {"guaranteed": {"vcore": "8000m", "nvidia.com/gpu": "2"}},
+                     "properties": {"preemption.policy": "disabled"}}]},
         {"name": "students",
          # guarantee (3 GPUs) above deserved (2) is what YuniKorn guarantees; 1.5 cores are 1500 millicores
          "resources": {"guaranteed": {"vcore": "1500m", "memory": str(3 * 2**29), "nvidia.com/gpu": "3"},
@@ -151,6 +153,18 @@ def test_no_queue_carries_a_priority_offset_the_priority_class_alone_ranks_pods(
     assert "priority" not in queues
     classes = {o["metadata"]["name"]: o["value"] for o in objects if o["kind"] == "PriorityClass"}
     assert classes["gpupool-vision"] == 100 and classes["gpupool-students"] == 10
+
+
+def test_every_queue_below_a_non_reclaimable_team_says_disabled_itself(tmp_path):
+    # YuniKorn copies a parent's preemption.policy to a child only when it creates the child and replaces the
+    # child's properties on each reload: a grandchild, reclaimable itself, is written disabled as well.
+    teams = yaml.safe_load(yaml.safe_dump(TEAMS))
+    teams["teams"]["students"]["queue"] = {"parent": "vision", "reclaimable": True}
+    queues = yunikorn.queues_config(load_policy(policy_dir(tmp_path, teams=teams)))["partitions"][0]["queues"][0]
+    [research] = queues["queues"]
+    [vision] = research["queues"]
+    [students] = vision["queues"]
+    assert [q["properties"] for q in (research, vision, students)] == [{"preemption.policy": "disabled"}] * 3
 
 
 def test_jobs_preemption_off_turns_the_partitions_preemption_off(tmp_path):
