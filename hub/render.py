@@ -72,21 +72,22 @@ def policy_files(directory: Path) -> dict[str, str]:
 
 def engine_problems(directory: Path, problems: list[tuple[tuple[str, ...], str]]) -> list[str]:
     """Each problem `gpupool.policies.engines` finds as `<file>: <field>: <message>`, the file being the policy
-    file that defines the team (`teams.<team>`) the field belongs to."""
+    file that defines the team or profile (`teams.<name>`, `profiles.<name>`) the field belongs to."""
     import yaml
 
     from gpupool.policies.loader import policy_file_paths
 
-    defined: dict[str, str] = {}
+    defined: dict[tuple[str, str], str] = {}
     for path in policy_file_paths(directory):
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except (OSError, yaml.YAMLError):  # loaded a moment ago; a file changed since is reported elsewhere
             continue
-        for team in (data.get("teams") or {}) if isinstance(data, dict) else {}:
-            defined.setdefault(team, str(path))
-    return [f"{defined.get(path[1], str(directory)) if path[:1] == ('teams',) else str(directory)}: "
-            f"{'.'.join(path)}: {message}" for path, message in problems]
+        for section in ("teams", "profiles"):
+            for name in (data.get(section) or {}) if isinstance(data, dict) else {}:
+                defined.setdefault((section, name), str(path))
+    return [f"{defined.get(tuple(path[:2]), str(directory))}: {'.'.join(path)}: {message}"
+            for path, message in problems]
 
 
 def object_filename(index: int, obj: dict[str, Any]) -> str:

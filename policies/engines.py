@@ -123,6 +123,13 @@ def _children(policy: Policy, team: str | None) -> list[str]:
     return sorted(name for name, other in policy.teams.items() if other.queue.parent == team)
 
 
+def _path(policy: Policy, team: str) -> str:
+    parts = [team]
+    while (parent := policy.teams[parts[-1]].queue.parent) is not None:  # the checks refuse cycles
+        parts.append(parent)
+    return ".".join(["root", *reversed(parts)])
+
+
 def _text(resources: dict[str, int]) -> str:
     return ", ".join(f"{name} {value}{'m' if name == 'vcore' else ''}" for name, value in sorted(resources.items()))
 
@@ -149,6 +156,26 @@ def yunikorn_problems(policy: Policy) -> list[tuple[tuple[str, ...], str]]:
                 problems.append((("teams", name, "queue", field), f"{error}; YuniKorn refuses the configuration"))
         if len(converted) == 3:
             figures[name] = (yunikorn_guaranteed(policy, name), converted[2])
+    # YuniKorn places an application in a leaf queue only (core placement.go): a pod naming a parent's queue
+    # is rejected, so a team with child teams can have no one who starts pods in it.
+    for name, team in policy.teams.items():
+        if not (kids := _children(policy, name)):
+            continue
+        why = (f"team {name!r} has child teams ({', '.join(kids)}) and YuniKorn never places a pod in a parent "
+               f"queue ({_path(policy, name)} would reject them)")
+        if team.members:
+            problems.append((("teams", name, "members"), f"{why}: move its members to a child team, or to a new "
+                             f"team with `queue.parent: {name}`"))
+        if team.group_source == "authenticator":
+            problems.append((("teams", name, "group_source"), f"{why}: members from the authenticator would start "
+                             f"pods there; give the group to a child team, or to a new team with `queue.parent: "
+                             f"{name}`"))
+    for slug, profile in policy.profiles.items():
+        for name in profile.teams:
+            if name in policy.teams and (kids := _children(policy, name)):
+                problems.append((("profiles", slug, "teams"), f"lists team {name!r}, which has child teams "
+                                 f"({', '.join(kids)}), and YuniKorn never places a pod in a parent queue: list "
+                                 "its child teams instead"))
     if len(figures) != len(policy.teams):
         return problems  # the tree is checked once every quantity can be written
 

@@ -213,6 +213,17 @@ def test_a_pod_naming_a_queue_that_does_not_exist_is_rejected_not_left_pending(c
         cluster.kubectl("delete", "pod", "--wait", "--ignore-not-found", "-n", NAMESPACE, "nowhere-1")
 
 
+def test_a_pod_naming_a_parent_teams_queue_is_rejected(cluster):
+    # why `gpupool policy check` refuses members or profiles on a team with child teams under YuniKorn
+    team_pod(cluster, "parent-1", "vision", "h200", queue="root.research")
+    try:
+        pod = wait("parent-1 Failed", lambda: (lambda p: p if p["status"].get("phase") == "Failed" else None)(
+            pod_now(cluster, "parent-1")))
+        assert pod["status"].get("reason") == "ApplicationRejected" and not pod["spec"].get("nodeName")
+    finally:
+        cluster.kubectl("delete", "pod", "--wait", "--ignore-not-found", "-n", NAMESPACE, "parent-1")
+
+
 def path(obj: dict) -> str:
     plural = {"PriorityClass": "priorityclasses", "ConfigMap": "configmaps"}[obj["kind"]]
     prefix = "/apis/scheduling.k8s.io/v1" if obj["kind"] == "PriorityClass" else "/api/v1"

@@ -160,11 +160,32 @@ def test_every_queue_below_a_non_reclaimable_team_says_disabled_itself(tmp_path)
     # child's properties on each reload: a grandchild, reclaimable itself, is written disabled as well.
     teams = yaml.safe_load(yaml.safe_dump(TEAMS))
     teams["teams"]["students"]["queue"] = {"parent": "vision", "reclaimable": True}
-    queues = yunikorn.queues_config(load_policy(policy_dir(tmp_path, teams=teams)))["partitions"][0]["queues"][0]
+    profiles = {"profiles": {"a100": {**PROFILES["profiles"]["a100"], "teams": ["students"]}}}
+    queues = yunikorn.queues_config(load_policy(policy_dir(tmp_path, teams=teams, profiles=profiles)))
+    queues = queues["partitions"][0]["queues"][0]
     [research] = queues["queues"]
     [vision] = research["queues"]
     [students] = vision["queues"]
     assert [q["properties"] for q in (research, vision, students)] == [{"preemption.policy": "disabled"}] * 3
+
+
+def test_members_or_profiles_on_a_team_with_child_teams_are_refused_with_the_way_out(tmp_path):
+    # YuniKorn never places a pod in a parent queue: research's members and a profile naming it could start nothing
+    teams = yaml.safe_load(yaml.safe_dump(TEAMS))
+    teams["teams"]["research"]["members"] = ["alice"]
+    profiles = {"profiles": {"a100": {**PROFILES["profiles"]["a100"], "teams": ["research", "students"]}}}
+    directory = policy_dir(tmp_path, teams=teams, profiles=profiles)
+    refused_by_both(directory, "teams.research.members", "team 'research' has child teams (vision)",
+                    "root.research", "move its members to a child team", "queue.parent: research")
+    code, _, err = check(str(directory))
+    line = next(line for line in err.splitlines() if ": profiles.a100.teams: " in line)
+    assert f"{directory / 'profiles.yaml'}: profiles.a100.teams: lists team 'research'" in line
+    assert "list its child teams instead" in line
+    # the way out: the members and the profile on the child team
+    teams["teams"]["vision"]["members"] = teams["teams"]["research"].pop("members")
+    profiles["profiles"]["a100"]["teams"] = ["vision", "students"]
+    code, out, err = check(str(policy_dir(tmp_path / "fixed", teams=teams, profiles=profiles)))
+    assert code == 0 and out.startswith("OK "), err
 
 
 def test_jobs_preemption_off_turns_the_partitions_preemption_off(tmp_path):
