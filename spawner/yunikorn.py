@@ -46,10 +46,12 @@ QUEUES_KEY = "queues.yaml"
 DEFAULT_NAMESPACE = "yunikorn"
 PARTITION = "default"
 ROOT_QUEUE = "root"
-#: The pod labels YuniKorn takes the queue and the application from (k8shim's `constants.LabelQueueName` and
-#: `constants.LabelApplicationID`).
-QUEUE_LABEL = "queue"
-APPLICATION_LABEL = "applicationId"
+#: The pod annotations YuniKorn takes the queue and the application from (k8shim 1.8's current keys,
+#: `constants.AnnotationQueueName` and `constants.AnnotationApplicationID`; the `queue` and `applicationId` labels
+#: are its legacy ones). An annotation, not a label: a label value is at most 63 characters, and a queue path
+#: `root.<team>.<team>` of two 32-character team names is 70.
+QUEUE_ANNOTATION = "yunikorn.apache.org/queue"
+APPLICATION_ANNOTATION = "yunikorn.apache.org/app-id"
 
 
 def queue_path(policy: Policy, team: str) -> str:

@@ -5,8 +5,8 @@ KUBECONFIG) against the suite's API server and KWOK's fake GPU nodes; no Volcano
 What is checked for real here: the `yunikorn-configs` ConfigMap that `gpupool render` writes for a policy whose
 `settings.engine` is `yunikorn` is applied server-side, loaded by YuniKorn as the policy says (its REST API
 shows the queues, their `guaranteed` and `max`, no priority offset) and a second apply changes nothing; a pod
-bound to its team's queue as the Kubernetes mode binds it (`schedulerName: yunikorn`, the `queue` and
-`applicationId` labels, the profile's GPU resources, node selector and tolerations) reaches Running on a fake
+bound to its team's queue as the Kubernetes mode binds it (`schedulerName: yunikorn`, the
+`yunikorn.apache.org/queue` and `yunikorn.apache.org/app-id` annotations, the profile's GPU resources, node selector and tolerations) reaches Running on a fake
 GPU node of its model; YuniKorn's own validator (`/ws/v1/validate-conf`) allows the queues rendered for a few
 policies (fractional cpu and memory, a three-level tree) and refuses what gpupool no longer writes; a queue at
 its `max` holds the next pod with YuniKorn's own reason in its events, and a
@@ -56,6 +56,7 @@ CLUSTER = {
                         "mig": {"strategy": "single", "profiles": ["1g.18gb"]}}},
     "settings": {"engine": "yunikorn"},
 }
+LONG_PARENT, LONG_CHILD = "research-and-development-divisio", "computer-vision-and-imaging-grp1"
 TEAMS = {"teams": {
     "research": {"priority": 100, "queue": {"capability": {"nvidia.com/gpu": 8},
                                             "deserved": {"nvidia.com/gpu": 4}}},
@@ -65,6 +66,9 @@ TEAMS = {"teams": {
     # a non-reclaimable parent: its child must stay out of preemption after YuniKorn reloads its configuration
     "platform": {"queue": {"reclaimable": False}},
     "infra": {"queue": {"parent": "platform"}},
+    # two team names of the longest kind: their queue path (70 characters) fits no label value
+    LONG_PARENT: {},
+    LONG_CHILD: {"queue": {"parent": LONG_PARENT}},
 }}
 PROFILES = {"profiles": {
     "h200": {"display_name": "1 × H200", "gpu": {"model": "H200", "count": 1}, "teams": ["vision", "nlp"],
@@ -213,6 +217,17 @@ def test_a_pod_naming_a_queue_that_does_not_exist_is_rejected_not_left_pending(c
         cluster.kubectl("delete", "pod", "--wait", "--ignore-not-found", "-n", NAMESPACE, "nowhere-1")
 
 
+def test_a_pod_in_a_queue_whose_path_is_longer_than_a_label_value_runs(cluster):
+    path = yunikorn.queue_path(load_policy(cluster.policies), LONG_CHILD)
+    assert len(path) > 63  # a label value could not hold it
+    team_pod(cluster, "long-1", LONG_CHILD, "h200")
+    try:
+        wait("long-1 Running", lambda: running(cluster, "long-1"))
+        assert queue_info(cluster, path)["allocatedResource"]["nvidia.com/gpu"] == 1
+    finally:
+        cluster.kubectl("delete", "pod", "--wait", "--ignore-not-found", "-n", NAMESPACE, "long-1")
+
+
 def test_a_pod_naming_a_parent_teams_queue_is_rejected(cluster):
     # why `gpupool policy check` refuses members or profiles on a team with child teams under YuniKorn
     team_pod(cluster, "parent-1", "vision", "h200", queue="root.research")
@@ -233,14 +248,16 @@ def path(obj: dict) -> str:
 
 def team_pod(cluster, name: str, team: str, profile: str, queue: str | None = None) -> dict:
     """A pod as the Kubernetes mode binds one to its team's YuniKorn queue: `schedulerName: yunikorn`, the
-    `queue` label (the queue's full path) and `applicationId` (one application a pod), the team's
+    `yunikorn.apache.org/queue` annotation (the queue's full path, which may be longer than a label value) and
+    `yunikorn.apache.org/app-id` (one application a pod), the team's
     PriorityClass and the profile's GPU resources, node selector and tolerations (`profile_gpu`); `queue`: another
     queue path instead."""
     policy = load_policy(cluster.policies)
     gpu = profile_gpu(policy.profiles[profile], policy)
     pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": name, "namespace": NAMESPACE, "labels": {
-               yunikorn.QUEUE_LABEL: queue or yunikorn.queue_path(policy, team), yunikorn.APPLICATION_LABEL: name}},
+           "metadata": {"name": name, "namespace": NAMESPACE, "annotations": {
+               yunikorn.QUEUE_ANNOTATION: queue or yunikorn.queue_path(policy, team),
+               yunikorn.APPLICATION_ANNOTATION: name}},
            "spec": {"schedulerName": yunikorn.SCHEDULER_NAME, "priorityClassName": team_priority_class(team),
                     "nodeSelector": gpu.node_selector, "tolerations": gpu.tolerations,
                     "containers": [{"name": "notebook", "image": "gpupool/base:0.1.0", "resources": {
@@ -270,7 +287,7 @@ def test_a_pod_in_its_teams_queue_runs_and_one_past_the_queues_max_waits_with_yu
         pod = wait("vision-1 Running", lambda: running(cluster, "vision-1"))
         node = cluster.get(f"/api/v1/nodes/{pod['spec']['nodeName']}")
         assert node["metadata"]["labels"]["nvidia.com/gpu.product"] == "NVIDIA-H200"
-        assert pod["metadata"]["labels"][yunikorn.QUEUE_LABEL] == "root.research.vision"
+        assert pod["metadata"]["annotations"][yunikorn.QUEUE_ANNOTATION] == "root.research.vision"
 
         # vision's queue is at its max (one card): YuniKorn holds the next pod and says why, in its own words
         team_pod(cluster, "vision-2", "vision", "h200")

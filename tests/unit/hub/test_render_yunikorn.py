@@ -188,6 +188,19 @@ def test_members_or_profiles_on_a_team_with_child_teams_are_refused_with_the_way
     assert code == 0 and out.startswith("OK "), err
 
 
+def test_pods_name_their_queue_and_application_in_yunikorns_current_annotations(tmp_path):
+    # k8shim 1.8 reads `yunikorn.apache.org/queue` and `.../app-id` (annotations); a label value (at most 63
+    # characters) could not hold the path of a child team under a parent, both of the longest names
+    teams = {"teams": {"p" * 32: {}, "c" * 32: {"queue": {"parent": "p" * 32}}}}
+    profiles = {"profiles": {"a100": {**PROFILES["profiles"]["a100"], "teams": ["c" * 32]}}}
+    path = yunikorn.queue_path(load_policy(policy_dir(tmp_path, teams=teams, profiles=profiles)), "c" * 32)
+    assert len(path) == 70
+    assert (yunikorn.QUEUE_ANNOTATION, yunikorn.APPLICATION_ANNOTATION) == (
+        "yunikorn.apache.org/queue", "yunikorn.apache.org/app-id")
+    docs = (Path(__file__).resolve().parents[3] / "docs" / "kubernetes.md").read_text()
+    assert f"`{yunikorn.QUEUE_ANNOTATION}: root.T`" in docs and f"`{yunikorn.APPLICATION_ANNOTATION}`" in docs
+
+
 def test_jobs_preemption_off_turns_the_partitions_preemption_off(tmp_path):
     policy = load_policy(policy_dir(tmp_path, jobs={"jobs": {"preemption": {"enabled": False}}}))
     assert yunikorn.queues_config(policy)["partitions"][0]["preemption"] == {"enabled": False}
