@@ -44,10 +44,10 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import AdmissionRequest, Holdings, decide
 from gpupool.hub.accounting.ledger import INTERVALS, Ledger
+from gpupool.policies import periods
 from gpupool.policies import defaults
+from gpupool.policies.admission import AdmissionRequest, Holdings, decide
 from gpupool.policies.model import Policy
 from gpupool.spawner.local import admission, door
 from gpupool.spawner.pool import AllocationStore, Card, LocalPool, Request

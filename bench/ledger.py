@@ -29,9 +29,9 @@ import sqlalchemy as sa
 
 from gpupool.hub.accounting.bills import bills_for_period
 from gpupool.hub.accounting.ledger import Ledger
-from gpupool.hub.accounting.periods import period_bounds, to_epoch_seconds
 from gpupool.policies import defaults
 from gpupool.policies.model import Policy
+from gpupool.policies.periods import period_bounds, to_epoch_seconds
 
 PERIOD = "2026-11"
 NOW = datetime(2026, 12, 3, tzinfo=UTC)  # November has ended; intervals still open count to its end

@@ -45,14 +45,15 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from traitlets import Bool, Enum, Float, Integer, List, Unicode, default
 from traitlets.config import Application
 
-from gpupool.hub.accounting import notify, periods
+from gpupool.hub.accounting import notify
 from gpupool.hub.accounting.culls import IdleServer, IdleStore
-from gpupool.hub.accounting.idleness import Action, IdleRecord, KeepRefused, Signals, active, decide, keep
 from gpupool.hub.accounting.jobs import JobStore
 from gpupool.hub.accounting.ledger import Ledger
-from gpupool.hub.services.accounting_service import MAX_BODY_BYTES, AccountingHandler, HealthHandler, NotFoundHandler, page_templates
 from gpupool.hub.idle_signals import CPUMeter, NVMLGPU, PodGPUMetrics, ProcessTable, ProcessTree
+from gpupool.hub.services.accounting_service import MAX_BODY_BYTES, AccountingHandler, HealthHandler, NotFoundHandler, page_templates
+from gpupool.policies import periods
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults
+from gpupool.policies.idleness import Action, IdleRecord, KeepRefused, Signals, active, decide, keep
 from gpupool.policies.resources import profile_share
 
 log = logging.getLogger("gpupool.culler")

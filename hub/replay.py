@@ -4,7 +4,7 @@ The simulator owns only the clock, the event heap and the trace readers. Every d
 `admission.decide` (quotas wait, budgets follow `on_exhausted`, priorities), the embedded pool's queue pass
 (`spawner.pool.admit_in_order`: priority then arrival, a waiting request is not overtaken by smaller ones of
 its model) and its placement (`spawner.pool.place` under the policy's `settings.placement`, see
-`spawner.placement`), run per node when the cluster has nodes. `gpupool replay openb` measures placement
+`policies.placement`), run per node when the cluster has nodes. `gpupool replay openb` measures placement
 quality on Alibaba's openb trace as the FGD paper does. Nothing sleeps and nothing is started: a month of work
 replays in seconds.
 """
@@ -26,18 +26,18 @@ from datetime import datetime, timedelta, timezone
 from fractions import Fraction
 from pathlib import Path
 
-from gpupool.hub.accounting import admission, periods
-from gpupool.hub.accounting.admission import (
+from gpupool.hub.accounting.export import USAGE_HEADER, usage_rows
+from gpupool.policies import admission, periods
+from gpupool.policies import PolicyError, load_policy
+from gpupool.policies.admission import (
     DIRECT_PROFILE, LOWEST_PRIORITY, AdmissionRequest, Holdings, Reason, Usage,
 )
-from gpupool.hub.accounting.export import USAGE_HEADER, usage_rows
-from gpupool.hub.accounting.periods import period_of
-from gpupool.hub.accounting.preemption import Holder, victims
-from gpupool.policies import PolicyError, load_policy
 from gpupool.policies.model import PLACEMENTS, Policy
-from gpupool.spawner.placement import (
+from gpupool.policies.periods import period_of
+from gpupool.policies.placement import (
     ONE, FreeState, Placement, choose_cards, demands_of, node_score, placement_for,
 )
+from gpupool.policies.preemption import Holder, victims
 from gpupool.spawner.pool import (
     BEST_FIT, Allocation, Card, Request, Verdict, admit_in_order, place,
 )
@@ -177,7 +177,7 @@ def pool_cards(policy: Policy, capacity: dict[str, int] | None = None) -> list[C
 class Cluster:
     """Cards grouped into nodes, and what each card holds; `reserve` is the pool's placement, per node.
 
-    A share up to a node's size goes on one node: the node `spawner.placement.node_score` prefers under the
+    A share up to a node's size goes on one node: the node `policies.placement.node_score` prefers under the
     placement policy (ties: the first node), and the pool's own `place` picks the cards on it. Under best fit
     that is the fullest card with room among all cards of the model for a fraction (the pool's best fit), and
     the fullest node that still has enough free cards for whole ones (as Volcano's binpack plugin scores);

@@ -23,7 +23,6 @@ from urllib.parse import parse_qs, quote, urlencode
 import anyio
 import psutil
 
-from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import JOB_RUN_PREFIX, run_server
 from gpupool.mlflow.cost import COST_TAGS, run_cost
 from gpupool.mlflow.permissions import (
@@ -43,6 +42,7 @@ from gpupool.mlflow.permissions import (
     team_for_new,
     viewer_of,
 )
+from gpupool.policies import periods
 
 log = logging.getLogger("gpupool.mlflow")
 

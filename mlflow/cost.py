@@ -8,9 +8,9 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from fractions import Fraction
 
-from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.bills import round_half_up, unit_price
 from gpupool.hub.accounting.ledger import Interval
+from gpupool.policies import periods
 from gpupool.policies.model import Policy
 
 #: Run tags written by the server when a run ends (clients may not set them).

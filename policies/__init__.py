@@ -1,4 +1,7 @@
-"""The policy model: GPU models, profiles, teams, quotas, budgets and prices, loaded from `policies/*.yaml`."""
+"""The policy model: GPU models, profiles, teams, quotas, budgets and prices, loaded from `policies/*.yaml`; and
+every pure decision made under it: admission (`admission`), preemption victims (`preemption`), restarts
+(`restarts`), idleness (`idleness`), billing periods and the one clock (`periods`), card placement (`placement`).
+No database, network, process or engine library is imported here (tests/unit/project/test_layers.py checks)."""
 
 # The repository's folders are the `gpupool.*` packages (setup.cfg's package_dir). Imported under their
 # folder's name (`import policies` with the repository root on sys.path) they would be a second copy of every

@@ -658,7 +658,7 @@ class Datasets(Strict):
     s3: S3Storage = Field(S3Storage(), description="The object store, with `storage: s3`.")
 
 
-#: How the pool chooses cards for a share (`spawner/placement.py`).
+#: How the pool chooses cards for a share (`policies/placement.py`).
 PLACEMENTS: tuple[str, ...] = ("best-fit", "fragmentation-aware")
 DEFAULT_PLACEMENT = "fragmentation-aware"
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from gpupool.hub.accounting import periods
 from gpupool.hub.accounting import notify
-from gpupool.hub.accounting.admission import LOWEST_PRIORITY, AdmissionRequest, Decision, Reason, decide
 from gpupool.hub.accounting.ledger import HowEnded
+from gpupool.policies import periods
+from gpupool.policies.admission import LOWEST_PRIORITY, AdmissionRequest, Decision, Reason, decide
 from gpupool.policies.choice import Choice
 from gpupool.policies.model import Policy, parse_quantity
 from gpupool.policies.resources import GPUResources, profile_gpu, profile_share

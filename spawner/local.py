@@ -24,13 +24,15 @@ from sqlalchemy.orm import object_session
 from tornado import web
 from traitlets import Unicode, default
 
-from gpupool.hub.accounting import notify, periods
-from gpupool.hub.accounting.admission import AdmissionRequest, Holdings, decide
+from gpupool.hub.accounting import notify
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
+from gpupool.policies import periods
 from gpupool.policies import defaults
+from gpupool.policies.admission import AdmissionRequest, Holdings, decide
 from gpupool.policies.choice import Choice
 from gpupool.policies.identity import unix_group, unix_user
 from gpupool.policies.model import Policy, parse_quantity
+from gpupool.policies.placement import placement_for
 from gpupool.policies.resources import profile_share
 from gpupool.spawner.accounts import (
     DEFAULT_RECORD, Account, IdentityConflict, ensure_account, is_shared_with_group, share_with_group,
@@ -42,7 +44,6 @@ from gpupool.spawner.pool import (
     AllocationStore, Decide, Hold, LocalPool, Refused, Request, Verdict, discover_cards, process_alive,
     process_start_time,
 )
-from gpupool.spawner.placement import placement_for
 from gpupool.spawner.requeue import requeue
 
 _pools: dict[str, LocalPool] = {}

@@ -23,8 +23,8 @@ from tornado import web
 from traitlets import Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from gpupool.hub.accounting.admission import Reason
 from gpupool.policies import DEFAULT_POLICY_DIR, Policy
+from gpupool.policies.admission import Reason
 from gpupool.policies.choice import Choice, ChoiceRefused, check_choice
 from gpupool.policies.identity import server_username_problem
 from gpupool.policies.model import Profile

@@ -22,11 +22,11 @@ from typing import Literal
 
 import psutil
 import sqlalchemy as sa
-from gpupool.hub.accounting.admission import Holdings, Reason, format_share
 from gpupool.hub.accounting.db import create_engine, writer
+from gpupool.policies.admission import Holdings, Reason, format_share
 from gpupool.policies.model import Policy
+from gpupool.policies.placement import Placement, choose_cards
 from gpupool.spawner.metrics import QUEUE_LENGTH, QUEUE_WAIT, count_decision
-from gpupool.spawner.placement import Placement, choose_cards
 
 log = logging.getLogger("gpupool.pool")
 #: Seconds between tries of a pass of the queue that failed (the ledger unreachable).
@@ -111,7 +111,7 @@ def discover_cards(policy: Policy) -> tuple[list[Card], Literal["nvml", "declare
 
 def place(cards: Iterable[Card], used: dict[str, Fraction], model: str, share: Fraction,
           placement: Placement = BEST_FIT) -> tuple[str, ...] | None:
-    """Cards for `share` of `model` as `placement` chooses them (`spawner.placement`); None if it does not fit.
+    """Cards for `share` of `model` as `placement` chooses them (`policies.placement`); None if it does not fit.
 
     Best fit (the fullest card that still has room) keeps whole cards free for whole-card requests; whole
     cards go on the first free cards.

@@ -13,8 +13,8 @@ from datetime import UTC, datetime, timedelta
 from traitlets import Unicode, default
 from traitlets.config import LoggingConfigurable
 
-from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import HowEnded, Ledger, run_key
+from gpupool.policies import periods
 from gpupool.policies.resources import profile_share
 from gpupool.spawner.metrics import LEDGER_WRITE_ERRORS
 

@@ -8,7 +8,7 @@ from datetime import datetime, timedelta
 from fractions import Fraction
 
 from gpupool.hub.accounting.ledger import Ledger
-from gpupool.hub.accounting.periods import utcnow
+from gpupool.policies.periods import utcnow
 
 #: Two teams on two H200: vision (alice, and lena its lead) with a budget of 100 GPU-hours, nlp (nadia) with 1,
 #: denied when spent.

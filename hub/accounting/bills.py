@@ -26,8 +26,8 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any, Literal
 
-from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import Ledger, UsageRow
+from gpupool.policies import periods
 from gpupool.policies.model import Policy
 
 Format = Literal["csv", "json", "html"]

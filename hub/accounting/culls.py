@@ -16,8 +16,9 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from gpupool.hub.accounting import db, periods
-from gpupool.hub.accounting.idleness import IdleRecord
+from gpupool.hub.accounting import db
+from gpupool.policies import periods
+from gpupool.policies.idleness import IdleRecord
 
 IDLE = db.IdleServer.__table__
 IDLE_TIME = db.IdleTime.__table__

@@ -23,7 +23,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from gpupool.hub.accounting.periods import from_epoch_seconds, to_epoch_seconds
+from gpupool.policies.periods import from_epoch_seconds, to_epoch_seconds
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 VERSION_TABLE = "accounting_alembic_version"

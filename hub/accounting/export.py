@@ -14,8 +14,8 @@ import io
 from collections.abc import Iterable
 from datetime import datetime, timedelta
 
-from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import Interval, Ledger
+from gpupool.policies import periods
 
 USAGE_HEADER = ["arrival", "start", "end", "user", "team", "profile", "model", "share", "kind", "how"]
 

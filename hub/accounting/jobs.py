@@ -24,9 +24,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gpupool.hub.accounting import db
 from gpupool.hub.accounting.ledger import HowEnded
-from gpupool.hub.accounting.restarts import Action, Ended, Event, Next, after_run
 from gpupool.policies.choice import image_way_out
 from gpupool.policies.model import JOB_PRIORITIES, Policy
+from gpupool.policies.restarts import Action, Ended, Event, Next, after_run
 
 JOBS = db.Job.__table__
 RUNS = db.JobRun.__table__

@@ -52,8 +52,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from gpupool.hub.accounting import db, periods
-from gpupool.hub.accounting.admission import (
+from gpupool.hub.accounting import db
+from gpupool.policies import periods
+from gpupool.policies.admission import (
     Alert,
     AdmissionRequest,
     Decision,

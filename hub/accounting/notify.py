@@ -10,8 +10,8 @@ import json
 import threading
 import urllib.request
 
-from gpupool.hub.accounting.admission import Alert, AdmissionRequest
 from gpupool.hub.accounting.ledger import AdmissionResult, Ledger
+from gpupool.policies.admission import Alert, AdmissionRequest
 from gpupool.policies.model import Policy
 
 

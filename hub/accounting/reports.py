@@ -12,11 +12,11 @@ from datetime import datetime, timedelta
 from decimal import Decimal
 from fractions import Fraction
 
-from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import format_hours, format_share
 from gpupool.hub.accounting.bills import amount, unit_price
 from gpupool.hub.accounting.culls import IdleServer, IdleStore
 from gpupool.hub.accounting.ledger import Ledger, run_key, run_server
+from gpupool.policies import periods
+from gpupool.policies.admission import format_hours, format_share
 from gpupool.policies.model import Policy
 from gpupool.policies.resources import profile_share
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import requests
 
-from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import Ledger, RunResult, run_key
+from gpupool.policies import periods
 from gpupool.policies.choice import ChoiceRefused, check_choice
 from gpupool.policies.model import Policy
 from gpupool.policies.resources import profile_share

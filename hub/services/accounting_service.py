@@ -36,8 +36,7 @@ from traitlets import Bool, Float, Integer, List, Unicode, default
 from traitlets.config import Application
 
 from gpupool.hub import __version__
-from gpupool.hub.accounting import charts, periods
-from gpupool.hub.accounting.admission import format_hours, format_share, reached_alerts
+from gpupool.hub.accounting import charts
 from gpupool.hub.accounting.bills import FORMATS, bill_for, csv_filename, render_bill, render_html
 from gpupool.hub.accounting.culls import idle_figures
 from gpupool.hub.accounting.ledger import Ledger
@@ -47,7 +46,9 @@ from gpupool.hub.accounting.reports import (
 )
 from gpupool.hub.accounting.servers import HubClient, reconcile_with_hub
 from gpupool.hub.datasets import DatasetError, human_size, team_datasets, team_registry
+from gpupool.policies import periods
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults
+from gpupool.policies.admission import format_hours, format_share, reached_alerts
 from gpupool.policies.model import Policy
 from gpupool.policies.reload import current_policy
 from gpupool.spawner.pool import discover_cards

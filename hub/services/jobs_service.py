@@ -25,7 +25,6 @@ from markupsafe import Markup
 from pydantic import ValidationError
 from tornado import ioloop, web
 
-from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.bills import hours_text
 from gpupool.hub.accounting.jobs import (
     DEFAULT_CHECKPOINT_MOUNT, JOB_ID, Job, JobRefused, JobStore, JobSubmission, default_checkpoint_dir,
@@ -36,6 +35,7 @@ from gpupool.hub.accounting.reports import job_usage, money
 from gpupool.hub.services.accounting_service import (
     MAX_BODY_BYTES, AccountingHandler, HealthHandler, NotFoundHandler, page_templates,
 )
+from gpupool.policies import periods
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults
 from gpupool.policies.identity import TEAM_PREFIX, unix_group, unix_user
 from gpupool.spawner.images import default_images_dir, image_prefix

@@ -34,22 +34,22 @@ from datetime import datetime
 from fractions import Fraction
 from pathlib import Path
 
-from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import LOWEST_PRIORITY, Reason
 from gpupool.hub.accounting.jobs import Job, Run, default_checkpoint_dir, job_log
 from gpupool.hub.accounting.ledger import job_run_key
-from gpupool.hub.accounting.preemption import Holder, victims
-from gpupool.hub.accounting.restarts import Ended, Event
+from gpupool.policies import periods
+from gpupool.policies.admission import LOWEST_PRIORITY, Reason
 from gpupool.policies.choice import Choice
 from gpupool.policies.model import Policy
+from gpupool.policies.placement import choose_cards, placement_for
+from gpupool.policies.preemption import Holder, victims
 from gpupool.policies.resources import profile_share
+from gpupool.policies.restarts import Ended, Event
 from gpupool.spawner.jobs.runner import HEARTBEAT_S, JobBackend, JobRunner
 from gpupool.spawner.local import (
     LocalGPUSpawner, ensure_system_user, ensure_team_folder, exit_record, mps_env, read_exit_record,
     server_env_paths, watch_exit,
 )
 from gpupool.spawner.mixin import choice_env, mlflow_env
-from gpupool.spawner.placement import choose_cards, placement_for
 from gpupool.spawner.pool import Allocation, LocalPool, Refused, Request, process_alive, process_start_time
 
 #: Events after which a job goes back to the head of its priority in the queue.

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.jobs import JobStore
-from gpupool.hub.accounting.restarts import Ended, Event
+from gpupool.policies import periods
+from gpupool.policies.restarts import Ended, Event
 from gpupool.spawner.jobs.runner import cancel_tasks
 from gpupool.spawner.jobs.volcano_objects import TASK, running_since
 

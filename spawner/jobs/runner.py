@@ -15,12 +15,13 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
-from gpupool.hub.accounting import notify, periods
-from gpupool.hub.accounting.admission import AdmissionRequest, Decision
+from gpupool.hub.accounting import notify
 from gpupool.hub.accounting.jobs import LEDGER_END, Job, JobStore, Run, policy_problem, priority_order
 from gpupool.hub.accounting.ledger import JOB_RUN_PREFIX, HowEnded, Ledger
-from gpupool.hub.accounting.restarts import Ended, Event, Next
+from gpupool.policies import periods
+from gpupool.policies.admission import AdmissionRequest, Decision
 from gpupool.policies.model import Policy
+from gpupool.policies.restarts import Ended, Event, Next
 
 #: Seconds between two rounds: two looks at the jobs table and at the engine.
 TICK_S = 1.0

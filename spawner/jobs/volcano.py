@@ -37,13 +37,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import LOWEST_PRIORITY
 from gpupool.hub.accounting.jobs import Job, Run, policy_problem
 from gpupool.hub.accounting.ledger import job_run_key
-from gpupool.hub.accounting.restarts import Action, Ended, Event, Next
+from gpupool.policies import periods
+from gpupool.policies.admission import LOWEST_PRIORITY
 from gpupool.policies.model import Policy
 from gpupool.policies.resources import profile_share
+from gpupool.policies.restarts import Action, Ended, Event, Next
 from gpupool.spawner.jobs.podlogs import PodLogs, read_answer
 from gpupool.spawner.jobs.runner import HEARTBEAT_S, JobBackend, JobRunner, cancel_tasks
 from gpupool.spawner.jobs.volcano_objects import (

@@ -14,11 +14,11 @@ from datetime import datetime, timedelta
 from typing import Any, NamedTuple
 
 from gpupool.hub.accounting.jobs import DEFAULT_CHECKPOINT_MOUNT, JOB_ID_LABEL, Job, env_problem
-from gpupool.hub.accounting.restarts import Ended, Event
 from gpupool.policies.choice import check_choice
 from gpupool.policies.identity import username_problem
 from gpupool.policies.model import DNS_LABEL, Policy, Restarts
 from gpupool.policies.resources import profile_gpu
+from gpupool.policies.restarts import Ended, Event
 from gpupool.spawner.kube import PREEMPTABLE_ANNOTATION, choice_pod, volcano_binding
 from gpupool.spawner.mixin import choice_env
 from gpupool.spawner.volcano import Release, job_priority_class, labels, team_queue
@@ -43,7 +43,7 @@ RETRY_COUNT_ANNOTATION = "volcano.sh/job-retry-count"
 
 #: Volcano restarts beyond the user's `max_restarts` that `maxRetry` leaves for evictions (preemption, a
 #: drained or lost node) and always-retried exit codes, which Volcano counts as retries and gpupool does not.
-#: A bound, not a budget: gpupool counts the failures itself (`hub.accounting.restarts`) and ends a job that
+#: A bound, not a budget: gpupool counts the failures itself (`policies.restarts`) and ends a job that
 #: used up its restarts; this only stops a crash loop while nothing of the platform is watching.
 EVICTION_HEADROOM = 100
 #: A container's exit code, as Volcano matches `exitCode` policies (a signal N gives 128+N); Volcano refuses 0.

@@ -16,7 +16,7 @@ import pytest
 import requests
 
 from gpupool.hub.accounting.ledger import Ledger
-from gpupool.hub.accounting.periods import period_of, utcnow
+from gpupool.policies.periods import period_of, utcnow
 from accounting_seed import POLICY as SEEDED_POLICY, seed
 from harness import Hub
 

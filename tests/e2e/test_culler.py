@@ -26,10 +26,10 @@ import pytest
 import requests
 
 from culler_clock import CullerClock, seen_by_culler, step_until
-from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.culls import IdleStore
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
 from gpupool.hub.services.accounting_service import idle_report
+from gpupool.policies import periods
 from harness import Browser, Hub, wait_for
 
 DOUBLE = Path(__file__).resolve().parents[1] / "nvml_double"

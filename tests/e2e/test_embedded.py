@@ -19,7 +19,7 @@ import pytest
 import requests
 
 from gpupool.hub.accounting.ledger import Ledger
-from gpupool.hub.accounting.periods import period_of, utcnow
+from gpupool.policies.periods import period_of, utcnow
 from harness import Hub
 from gpupool.spawner.pool import AllocationStore
 

@@ -38,15 +38,15 @@ import pytest_asyncio
 import requests
 import yaml
 
-from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.jobs import Job, JobStore, JobSubmission, resolve
 from gpupool.hub.accounting.ledger import HowEnded, State
+from gpupool.policies import periods
 from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR, load_policy
+from gpupool.spawner.jobs.runner import JobRunner
+from gpupool.spawner.jobs.volcano import VolcanoBackend, parse_time
 from gpupool.spawner.jobs.volcano_objects import (
     EVICTION_HEADROOM, JOB_ID_LABEL, JobSpec, job_name, running_since, volcano_job,
 )
-from gpupool.spawner.jobs.runner import JobRunner
-from gpupool.spawner.jobs.volcano import VolcanoBackend, parse_time
 from gpupool.spawner.kube import GPUKubeSpawner
 from gpupool.spawner.usage import get_ledger
 from gpupool.spawner.volcano import Release

@@ -21,7 +21,7 @@ import requests
 
 from gpupool.hub.accounting.bills import round_half_up
 from gpupool.hub.accounting.ledger import Ledger
-from gpupool.hub.accounting.periods import utcnow
+from gpupool.policies.periods import utcnow
 from harness import Browser, Hub, wait_for
 from gpupool.mlflow.cost import COST_TAGS
 

@@ -23,15 +23,15 @@ import requests
 from traitlets.config import Config
 
 from gpupool.hub.accounting.ledger import Ledger, run_server
-from gpupool.hub.accounting.periods import period_bounds, period_of, utcnow
 from gpupool.hub.config import Settings, apply_config, named_server_limit
+from gpupool.policies.periods import period_bounds, period_of, utcnow
 from harness import Browser, Hub, wait_for
 from ordinary_user import ordinary_user
-from gpupool.spawner.wiring import sharing_roles
 from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
 from gpupool.policies.sharing import SHARE_CODES_REFUSED, share_refusal
 from gpupool.spawner import volcano
 from gpupool.spawner.volcano import wiring_notes
+from gpupool.spawner.wiring import sharing_roles
 
 POLICY = {
     "gpus.yaml": "models:\n  H200: {vendor: nvidia, memory_gib: 141, backends: [hami]}\n"

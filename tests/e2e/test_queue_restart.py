@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from gpupool.hub.accounting.ledger import Ledger
-from gpupool.hub.accounting.periods import utcnow
+from gpupool.policies.periods import utcnow
 from harness import Hub
 from gpupool.spawner.pool import AllocationStore, LocalPool, Request, declared_cards, process_alive
 from gpupool.spawner.requeue import requeue

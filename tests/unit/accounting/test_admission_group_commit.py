@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpupool.hub.accounting import ledger as ledger_module
-from gpupool.hub.accounting.admission import AdmissionRequest
 from gpupool.hub.accounting.ledger import ALERTS, INTERVALS, LOCKS, AdmissionResult, Ledger
+from gpupool.policies.admission import AdmissionRequest
 
 AT = datetime(2026, 11, 15, 12, tzinfo=UTC)
 #: When requests are made: the same second, the next one, an hour on, the month's last half hour, the next month.

@@ -9,8 +9,8 @@ from fractions import Fraction
 
 import pytest
 
-from gpupool.hub.accounting.admission import AdmissionRequest
 from gpupool.hub.accounting.ledger import AdmissionResult, CloseResult, Ledger, RunResult, State
+from gpupool.policies.admission import AdmissionRequest
 
 AT = datetime(2026, 11, 15, 12, tzinfo=UTC)
 CONCURRENT = 50

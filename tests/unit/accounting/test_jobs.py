@@ -14,7 +14,7 @@ from gpupool.hub.accounting import db
 from gpupool.hub.accounting.jobs import (
     JobRefused, JobStore, JobSubmission, collapse_progress, priority_order, resolve,
 )
-from gpupool.hub.accounting.restarts import Ended, Event
+from gpupool.policies.restarts import Ended, Event
 
 T0 = datetime(2026, 12, 4, 9, 0, tzinfo=UTC)
 

@@ -15,9 +15,10 @@ from alembic.runtime.migration import MigrationContext
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpupool.hub.accounting import db, periods
-from gpupool.hub.accounting.admission import Alert
+from gpupool.hub.accounting import db
 from gpupool.hub.accounting.ledger import INTERVALS, CloseResult, HowEnded, Ledger, OpenResult, UsageRow
+from gpupool.policies import periods
+from gpupool.policies.admission import Alert
 
 F = Fraction
 

@@ -12,13 +12,13 @@ from fractions import Fraction
 
 import pytest
 
-from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import AdmissionRequest
 from gpupool.hub.accounting.ledger import (
     INTERVALS, CloseResult, HowEnded, Ledger, RunResult, _interval, job_run_key, run_key, run_kind,
 )
 from gpupool.hub.accounting.reports import running_servers
 from gpupool.hub.accounting.servers import HubServer, reconcile, servers_of, user_groups
+from gpupool.policies import periods
+from gpupool.policies.admission import AdmissionRequest
 
 Q = Fraction(1, 4)
 FACTS = ("alice", "vision", "h200-quarter", "H200", Q)

@@ -27,8 +27,8 @@ from tornado.httpserver import HTTPServer
 from tornado.testing import bind_unused_port
 
 from gpupool.hub.accounting.ledger import Ledger
-from gpupool.hub.accounting.periods import period_of, utcnow
 from gpupool.hub.services.accounting_service import make_app
+from gpupool.policies.periods import period_of, utcnow
 from accounting_seed import POLICY, seed
 
 PREFIX = "/services/accounting/"

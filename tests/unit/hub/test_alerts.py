@@ -12,9 +12,9 @@ from datetime import UTC, datetime, timedelta
 from fractions import Fraction
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
-from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.admission import Holdings, Reason
 from gpupool.hub.accounting.ledger import Ledger
+from gpupool.policies import periods
+from gpupool.policies.admission import Holdings, Reason
 from gpupool.policies.loader import load_policy_files
 from gpupool.spawner.local import admission, door
 from gpupool.spawner.pool import AllocationStore, Card, LocalPool, Request

@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from gpupool.hub import culler
-from gpupool.hub.accounting import periods
+from gpupool.policies import periods
 
 
 @pytest.fixture

@@ -159,7 +159,7 @@ async def test_idle_training_jobs_count_in_the_reports_and_busy_ones_do_not(tmp_
 
     import sqlalchemy as sa
 
-    from gpupool.hub.accounting import periods
+    from gpupool.policies import periods
     from gpupool.hub.accounting.culls import IDLE_TIME, idle_figures
     from gpupool.hub.accounting.jobs import JobSubmission, resolve
     from gpupool.hub.culler import IdleCuller

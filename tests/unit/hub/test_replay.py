@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from gpupool.policies.model import Policy
-from gpupool.spawner.placement import placement_for
-from gpupool.spawner.pool import AllocationStore, Card, Denied, LocalPool, Request
 from gpupool.hub import replay as R
+from gpupool.policies.model import Policy
+from gpupool.policies.placement import placement_for
+from gpupool.spawner.pool import AllocationStore, Card, Denied, LocalPool, Request
 
 REPO = Path(__file__).resolve().parents[3]
 TRACES = REPO.parent / "shared" / "data" / "traces"
@@ -283,7 +283,7 @@ def test_philly_slice_replays_the_same_with_and_without_remembered_verdicts(dedi
 def test_the_clusters_node_is_the_best_scored_node_after_thousands_of_changes(policy):
     # The cluster finds the best node from heaps it brings up to date only when asked; a pass over every node
     # finds the same one, through more changes than the cluster keeps in its log.
-    from gpupool.spawner.placement import Placement, choose_cards, free_state, node_score
+    from gpupool.policies.placement import Placement, choose_cards, free_state, node_score
 
     rng = random.Random(3)
     cards = [Card(f"c{i}", "H200", i, 141) for i in range(48)]

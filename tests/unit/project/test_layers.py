@@ -38,6 +38,10 @@ LAYERS = {
     "gpupool.mlflow": 3,
 }
 LAYER_NAMES = {-1: "train/images", 0: "policies", 1: "hub/accounting", 2: "spawner", 3: "hub/mlflow"}
+#: What `policies/` (the rules and the pure decisions) may not import: databases, networks, processes, engines.
+IO_LIBRARIES = ("sqlalchemy", "alembic", "psycopg", "requests", "urllib", "http", "socket", "subprocess", "asyncio",
+                "tornado", "aiohttp", "kubernetes", "kubernetes_asyncio", "kubespawner", "jupyterhub", "mlflow",
+                "psutil", "pynvml", "dvc", "boto3", "selenium")
 
 
 @dataclass(frozen=True)
@@ -118,6 +122,31 @@ def folder_name_imports(root: Path = ROOT) -> list[str]:
 
 def test_a_lower_layer_never_imports_a_higher_one():
     assert upward_imports() == []
+
+
+def io_imports(root: Path = ROOT) -> list[str]:
+    """`file:line: imports X` for each import of an I/O library (`IO_LIBRARIES`) in `policies/`."""
+    offences = []
+    for file in sorted((root / "policies").rglob("*.py")):
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            offences += [(str(file.relative_to(root)), node.lineno, name) for name in names
+                         if name.split(".")[0] in IO_LIBRARIES]
+    return [f"{file}:{line}: imports {name}" for file, line, name in sorted(offences)]
+
+
+def test_the_rules_and_decisions_import_no_io_library(tmp_path):
+    assert io_imports() == []
+    (tmp_path / "policies").mkdir()
+    (tmp_path / "policies" / "admission.py").write_text("import math\ndef f():\n    import sqlalchemy.orm\n"
+                                                       "from http.client import HTTPConnection\n")
+    assert io_imports(tmp_path) == ["policies/admission.py:3: imports sqlalchemy.orm",
+                                    "policies/admission.py:4: imports http.client"]
 
 
 def test_the_folders_are_imported_by_their_package_names_only():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gpupool.hub.accounting.admission import reason_reference
+from gpupool.policies.admission import reason_reference
 from gpupool.policies.reference import policy_reference
 
 ROOT = Path(__file__).resolve().parents[3]

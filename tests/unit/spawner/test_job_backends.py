@@ -12,11 +12,11 @@ import logging
 import pytest
 import yaml
 
-from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.jobs import JobStore, JobSubmission, resolve
 from gpupool.hub.accounting.ledger import Ledger, job_run_key
-from gpupool.hub.accounting.restarts import Ended, Event
+from gpupool.policies import periods
 from gpupool.policies.model import Policy
+from gpupool.policies.restarts import Ended, Event
 from gpupool.spawner.jobs.local import LocalBackend
 from gpupool.spawner.jobs.runner import JobBackend, JobRunner
 from gpupool.spawner.jobs.volcano import VolcanoBackend

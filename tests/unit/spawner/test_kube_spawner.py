@@ -25,10 +25,10 @@ import kmock
 import pytest
 import pytest_asyncio
 import yaml
-from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.ledger import HowEnded, Ledger, State, run_key
-from gpupool.policies import load_policy
 from gpupool.hub.accounting import notify
+from gpupool.hub.accounting.ledger import HowEnded, Ledger, State, run_key
+from gpupool.policies import periods
+from gpupool.policies import load_policy
 from gpupool.spawner import podgroups
 from gpupool.spawner.kube import (
     UPSTREAM_INTERNALS,

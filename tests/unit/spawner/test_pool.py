@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 
-from gpupool.hub.accounting.admission import Holdings, Reason
 from gpupool.policies import DEFAULT_POLICY_DIR, load_policy
+from gpupool.policies.admission import Holdings, Reason
 from gpupool.spawner.pool import (
     AllocationStore, Card, Denied, LocalPool, QueueTimeout, Request, Verdict, declared_cards,
     match_model, place,

@@ -7,8 +7,8 @@ from fractions import Fraction
 
 from prometheus_client import REGISTRY
 
-from gpupool.hub.accounting import periods
 from gpupool.hub.accounting.ledger import HowEnded, Ledger, run_key
+from gpupool.policies import periods
 from gpupool.policies import DEFAULT_POLICY_DIR
 from gpupool.spawner.local import LocalGPUSpawner
 

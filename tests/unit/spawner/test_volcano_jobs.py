@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from gpupool.hub.accounting.jobs import Job
-from gpupool.hub.accounting.restarts import Ended, Event
 from gpupool.policies import DEFAULT_POLICY_DIR, EXAMPLES_DIR, load_policy
 from gpupool.policies.model import DNS_LABEL, Restarts, parse_quantity
+from gpupool.policies.restarts import Ended, Event
 from gpupool.spawner.jobs.volcano_objects import (
     EVICTION_HEADROOM,
     JobSpec,

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpupool.hub.accounting import periods
-from gpupool.hub.accounting.periods import (
+from gpupool.policies import periods
+from gpupool.policies.periods import (
     MonthPiece, next_period, parse_period, period_bounds, period_of, period_reset, split_by_month,
 )
 

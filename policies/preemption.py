@@ -18,7 +18,7 @@ from fractions import Fraction
 from gpupool.policies.model import Preemption
 
 #: Given each candidate card's free share (in card order) and the share asked for: the chosen cards'
-#: positions, or None when it does not fit (`spawner.placement.choose_cards` with the model's placement).
+#: positions, or None when it does not fit (`policies.placement.choose_cards` with the model's placement).
 Fits = Callable[[list[Fraction], Fraction], Sequence[int] | None]
 
 

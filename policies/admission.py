@@ -31,13 +31,13 @@ from enum import StrEnum
 from fractions import Fraction
 from typing import Literal, Protocol
 
-from gpupool.hub.accounting.periods import (
+from gpupool.policies.model import Policy, Team
+from gpupool.policies.periods import (
     SECONDS_PER_HOUR,
     ensure_utc,
     period_of,
     period_reset,
 )
-from gpupool.policies.model import Policy, Team
 from gpupool.policies.resources import profile_share
 
 #: The priority of deprioritized work: below every team (team priorities are 0 or more).

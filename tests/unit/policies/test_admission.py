@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpupool.hub.accounting.admission import (
+from gpupool.policies.admission import (
     LOWEST_PRIORITY, AdmissionRequest, Alert, Decision, Holdings, Reason, Usage, decide, reached_alerts,
 )
 

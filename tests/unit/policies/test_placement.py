@@ -15,10 +15,10 @@ from gpupool.hub import replay as R
 from gpupool.hub.accounting.ledger import Ledger
 from gpupool.policies import PolicyError, load_policy
 from gpupool.policies.model import Policy
-from gpupool.spawner import local
-from gpupool.spawner.placement import (
+from gpupool.policies.placement import (
     Placement, choose_cards, demands_of, fragmentation, free_state, growth, node_score, placement_for,
 )
+from gpupool.spawner import local
 from gpupool.spawner.pool import Card, Request, admit_all, place
 
 #: A later request is a quarter or a half card, equally often.

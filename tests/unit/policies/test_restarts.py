@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpupool.hub.accounting.restarts import ON_EVENT, Action, Ended, Event, Next, after_run, backoff
 from gpupool.policies.model import Restarts
+from gpupool.policies.restarts import ON_EVENT, Action, Ended, Event, Next, after_run, backoff
 
 RULES = Restarts(max_restarts=3, backoff_seconds=10, max_backoff_seconds=60, never_retry_exit_codes=[2],
                  always_retry_exit_codes=[75])

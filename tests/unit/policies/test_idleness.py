@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpupool.hub.accounting.culls import IdleStore, idle_figures
-from gpupool.hub.accounting.idleness import Action, IdleRecord, KeepRefused, Signals, decide, keep
 from gpupool.hub.accounting.ledger import HowEnded, Ledger
+from gpupool.policies.idleness import Action, IdleRecord, KeepRefused, Signals, decide, keep
 from gpupool.policies.model import Idle
 
 T0 = datetime(2026, 12, 5, 9, 0, tzinfo=UTC)

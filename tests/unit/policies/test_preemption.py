@@ -8,9 +8,9 @@ from fractions import Fraction
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpupool.hub.accounting.preemption import Holder, victims
 from gpupool.policies.model import Preemption
-from gpupool.spawner.placement import Placement, choose_cards
+from gpupool.policies.placement import Placement, choose_cards
+from gpupool.policies.preemption import Holder, victims
 
 RULES = Preemption()
 BEST_FIT = Placement("best-fit")
