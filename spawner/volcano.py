@@ -43,7 +43,7 @@ ACCOUNTING_PORT = 8080
 #: embedded mode's too.
 CULLER_PORT = 8080
 #: The port of the jobs service's Deployment (helm/gpupool/templates/jobs.yaml): the training jobs' REST API and
-#: page; the hub's job runner (`gpupool.spawner.kubejobs`) runs what it queues.
+#: page; the hub's job runner (`gpupool.spawner.jobs.volcano`) runs what it queues.
 JOBS_PORT = 8080
 #: The port of the MLflow Service (helm/gpupool values `mlflow.port`).
 MLFLOW_PORT = 5000
@@ -397,7 +397,7 @@ def jupyterhub_values(policy: Policy, release: Release, culler: bool = True) -> 
             # from its postgresql values (the password, PGPASSWORD, is the operator's: see the chart's check).
             "extraEnv": {
                 "GPUPOOL_POLICIES": POLICY_DIR,
-                # The training jobs' Volcano Jobs carry the release's labels (`gpupool.spawner.kubejobs`).
+                # The training jobs' Volcano Jobs carry the release's labels (`gpupool.spawner.jobs.volcano`).
                 RELEASE_ENV: release.name,
                 LEDGER_URL_ENV: {"valueFrom": {"configMapKeyRef": {"name": release.hub_env_configmap,
                                                                     "key": LEDGER_URL_ENV}}},
