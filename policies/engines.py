@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gpupool.policies.model import Policy, parse_quantity
+from gpupool.policies.model import FRACTIONAL_BACKENDS, GPURequest, Policy, parse_quantity
 
 #: The share backends each engine cannot place, and why.
 REFUSED: dict[str, dict[str, str]] = {
@@ -30,27 +30,45 @@ REFUSED: dict[str, dict[str, str]] = {
 BACKENDS = ("hami", "volcano-vgpu", "mig", "timeslice", "whole")
 
 
-def accepted(engine: str) -> list[str]:
-    """The backends `engine` places."""
-    return [backend for backend in BACKENDS if backend not in REFUSED[engine]]
+def _either(names: list[str] | tuple[str, ...]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 @dataclass(frozen=True)
 class Refusal:
-    """A profile whose backend `engine` cannot place."""
+    """A profile whose backend `engine` cannot place; `fitting`: the backends that deliver the same kind of
+    request (whole cards, a MIG slice or a fraction), that `engine` places and that the model offers;
+    `addable`: those of the kind the engine places that the model does not offer."""
 
     engine: str
     profile: str
     model: str
     backend: str
+    fitting: tuple[str, ...] = ()
+    addable: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        instead = accepted(self.engine)
         others = [e for e in REFUSED if e != self.engine and self.backend not in REFUSED[e]]
+        if self.fitting:
+            instead = (f"give this profile {_either(self.fitting)} (a backend for this request that its model "
+                       "offers)")
+        elif self.addable:
+            instead = (f"model {self.model} offers no backend for this request that works under "
+                       f"{self.engine!r}: add {_either(self.addable)} to models.{self.model}.backends")
+        else:
+            instead = f"no backend for this request works under {self.engine!r}"
         return (f"profiles.{self.profile}: backend {self.backend!r} (model {self.model}) cannot work under "
-                f"settings.engine {self.engine!r}: {REFUSED[self.engine][self.backend]}; give this profile "
-                f"{', '.join(instead[:-1])} or {instead[-1]} (a backend its model offers)"
+                f"settings.engine {self.engine!r}: {REFUSED[self.engine][self.backend]}; {instead}"
                 + (f", or choose settings.engine {others[0]!r}" if others else ""))
+
+
+def request_backends(request: GPURequest) -> tuple[str, ...]:
+    """The backends that can deliver `request`'s kind, whatever the model (as `GPURequest.backend_for`)."""
+    if request.mig is not None:
+        return ("mig",)
+    if request.count is not None:
+        return ("whole", "hami")
+    return FRACTIONAL_BACKENDS
 
 
 def refusals(policy: Policy, engine: str | None = None) -> list[Refusal]:
@@ -61,9 +79,13 @@ def refusals(policy: Policy, engine: str | None = None) -> list[Refusal]:
     for slug, profile in policy.profiles.items():
         if profile.gpu is None:
             continue
-        backend = profile.gpu.backend_for(policy.models[profile.gpu.model])
+        model = policy.models[profile.gpu.model]
+        backend = profile.gpu.backend_for(model)
         if backend in REFUSED[engine]:
-            found.append(Refusal(engine, slug, profile.gpu.model, backend))
+            kind = [b for b in BACKENDS if b in request_backends(profile.gpu) and b not in REFUSED[engine]]
+            found.append(Refusal(engine, slug, profile.gpu.model, backend,
+                                 tuple(b for b in kind if b in model.backends),
+                                 tuple(b for b in kind if b not in model.backends)))
     return found
 
 

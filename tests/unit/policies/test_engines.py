@@ -73,16 +73,17 @@ def test_the_kubernetes_check_refuses_hami_under_volcano_by_name_reason_and_alte
     line = next(line for line in err.splitlines() if "profiles.h200-quarter:" in line)
     assert "backend 'hami' (model H200) cannot work under settings.engine 'volcano'" in line
     assert "HAMi's own scheduler" in line and "stays Pending" in line
-    assert "volcano-vgpu, mig, timeslice or whole" in line
+    # the H200 offers hami and whole cards only: the fractional backends Volcano places are to be added to it
+    assert line.endswith("add volcano-vgpu or timeslice to models.H200.backends")
     assert "nothing was changed" in err
 
 
-@pytest.mark.parametrize("engine, refused, kept", [
-    ("volcano", ["hami"], ["volcano-vgpu", "mig", "timeslice", "whole"]),
-    ("yunikorn", ["hami", "volcano-vgpu"], ["mig", "timeslice", "whole"]),
+@pytest.mark.parametrize("engine, refused, kept, instead", [
+    ("volcano", ["hami"], ["volcano-vgpu", "mig", "timeslice", "whole"], "volcano-vgpu or timeslice"),
+    ("yunikorn", ["hami", "volcano-vgpu"], ["mig", "timeslice", "whole"], "timeslice"),
 ])
 def test_a_named_engine_refuses_each_backend_it_cannot_place_and_accepts_the_others(
-        engine, refused, kept, tmp_path, capsys):
+        engine, refused, kept, instead, tmp_path, capsys):
     directory = policy_dir(tmp_path, refused + kept, engine)
     assert [(r.profile, r.backend) for r in refusals(load_policy(directory))] == [(f"p-{b}", b) for b in refused]
     code, out, err = check(capsys, str(directory))
@@ -90,7 +91,8 @@ def test_a_named_engine_refuses_each_backend_it_cannot_place_and_accepts_the_oth
     for backend in refused:
         line = next(line for line in err.splitlines() if f"profiles.p-{backend}:" in line)
         assert f"backend {backend!r} (model A100) cannot work under settings.engine {engine!r}" in line
-        assert f"give this profile {', '.join(kept[:-1])} or {kept[-1]}" in line
+        # the refused profiles ask for a fraction: only the fractional backends the engine places are offered
+        assert f"give this profile {instead} (a backend for this request that its model offers)" in line
     # a volcano-vgpu share works under the other engine, a HAMi one under neither: only the first is pointed there
     if engine == "yunikorn":
         assert "choose settings.engine 'volcano'" in next(line for line in err.splitlines() if "p-volcano-vgpu" in line)
@@ -115,3 +117,19 @@ def test_a_share_whose_only_backend_is_refused_is_refused_without_naming_it(tmp_
     (directory / "profiles.yaml").write_text(yaml.safe_dump(profiles))
     code, _, err = check(capsys, str(directory))
     assert code == 1 and "profiles.half: backend 'hami' (model A100)" in err
+    # whole cards or MIG slices are no answer to a half card: the backend to add to the model is named
+    line = next(line for line in err.splitlines() if "profiles.half:" in line)
+    assert line.endswith("model A100 offers no backend for this request that works under 'yunikorn': add "
+                         "timeslice to models.A100.backends"), line
+    assert "give this profile" not in line
+
+
+def test_a_whole_card_on_hami_is_pointed_at_whole_cards_only(tmp_path, capsys):
+    directory = policy_dir(tmp_path, [], "volcano")
+    profiles = yaml.safe_load((directory / "profiles.yaml").read_text())
+    profiles["profiles"]["one"] = {"display_name": "one", "gpu": {"model": "A100", "count": 1, "backend": "hami"},
+                                   "teams": ["vision"]}
+    (directory / "profiles.yaml").write_text(yaml.safe_dump(profiles))
+    code, _, err = check(capsys, str(directory))
+    line = next(line for line in err.splitlines() if "profiles.one:" in line)
+    assert code == 1 and "give this profile whole (a backend for this request that its model offers)" in line
