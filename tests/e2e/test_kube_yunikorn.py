@@ -198,6 +198,18 @@ def test_yunikorns_validator_refuses_what_the_policy_check_refuses(cluster):
         assert reply.json()["allowed"] is False and reason in reply.json()["reason"], reply.json()
 
 
+def test_the_documented_network_policy_for_yunikorns_rest_api_is_accepted_by_the_api_server(cluster):
+    # docs/kubernetes.md tells an operator to keep YuniKorn's open REST API to its namespace with this object
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "kubernetes.md").read_text()
+    section = docs[docs.index("**YuniKorn's REST API is open.**"):]
+    block = section[section.index("```yaml\n") + len("```yaml\n"):section.index("```\n", section.index("```yaml"))]
+    policy = yaml.safe_load("\n".join(line[2:] for line in block.splitlines()))
+    assert policy["kind"] == "NetworkPolicy" and policy["metadata"]["namespace"] == kc.YUNIKORN_NAMESPACE
+    assert policy["spec"]["podSelector"]["matchLabels"]["component"] == "yunikorn-scheduler"
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {}}]}]  # this namespace's pods only
+    cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=json.dumps(policy))
+
+
 def test_yunikorn_listens_on_loopback_only(cluster):
     # core hard-codes ":9080" (every interface): the build's patch binds its REST server to 127.0.0.1 instead
     process = psutil.Process(cluster.processes[kc.YUNIKORN_BINARY].pid)
