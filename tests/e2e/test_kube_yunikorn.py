@@ -10,7 +10,10 @@ bound to its team's queue as the Kubernetes mode binds it (`schedulerName: yunik
 GPU node of its model; YuniKorn's own validator (`/ws/v1/validate-conf`) allows the queues rendered for a few
 policies (fractional cpu and memory, a three-level tree) and refuses what gpupool no longer writes; a queue at
 its `max` holds the next pod with YuniKorn's own reason in its events, and a
-raised `max`, rendered and applied again, lets it run (YuniKorn reads the ConfigMap live).
+raised `max`, rendered and applied again, lets it run (YuniKorn reads the ConfigMap live) and leaves the
+child of a non-reclaimable team out of preemption; a pod naming a parent team's queue is rejected, one in a
+queue path longer than a label value runs; the NetworkPolicy docs/kubernetes.md shows for YuniKorn's REST API
+is accepted by the API server.
 
 Not here yet (docs/kubernetes.md, "Choosing an engine"): `GPUKubeSpawner` still binds notebooks to Volcano's
 queues, so no hub runs in this module; its Volcano counterparts are in tests/e2e/test_kube_cluster.py.
