@@ -53,7 +53,7 @@ class Settings:
     state_dir: Path
     policy_dir: Path = DEFAULT_POLICY_DIR
     ip: str = "127.0.0.1"
-    port: int = 8000
+    port: int = defaults.PORT
     admin: str = "admin"
     authenticator: str = "native"
     ledger_url: str = ""
@@ -69,27 +69,27 @@ class Settings:
 
     @property
     def hub_port(self) -> int:
-        return self.port + 1
+        return self.port + defaults.PORT_OFFSETS["hub"]
 
     @property
     def proxy_api_port(self) -> int:
-        return self.port + 2
+        return self.port + defaults.PORT_OFFSETS["proxy API"]
 
     @property
     def accounting_port(self) -> int:
-        return self.port + 3
+        return self.port + defaults.PORT_OFFSETS["accounting"]
 
     @property
     def mlflow_port(self) -> int:
-        return self.port + 4
+        return self.port + defaults.PORT_OFFSETS["mlflow"]
 
     @property
     def jobs_port(self) -> int:
-        return self.port + 5
+        return self.port + defaults.PORT_OFFSETS["jobs"]
 
     @property
     def culler_port(self) -> int:
-        return self.port + 6
+        return self.port + defaults.PORT_OFFSETS["culler"]
 
     @property
     def mlflow_url(self) -> str:
@@ -107,7 +107,7 @@ class Settings:
             state_dir=defaults.state_dir(env),
             policy_dir=Path(env.get("GPUPOOL_POLICIES", DEFAULT_POLICY_DIR)),
             ip=env.get("GPUPOOL_IP", "127.0.0.1"),
-            port=int(env.get("GPUPOOL_PORT", "8000")),
+            port=int(env.get("GPUPOOL_PORT", str(defaults.PORT))),
             admin=env.get("GPUPOOL_ADMIN", "admin"),
             authenticator=env.get("GPUPOOL_AUTHENTICATOR", "native"),
             ledger_url=env.get("GPUPOOL_LEDGER_URL", ""),

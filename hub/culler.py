@@ -238,7 +238,7 @@ class IdleCuller(Application):
 
     @default("port")
     def _default_port(self):
-        return urllib.parse.urlparse(os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:8006")).port or 8006
+        return urllib.parse.urlparse(defaults.env("JUPYTERHUB_SERVICE_URL", defaults.service_url("culler"))).port
 
     prefix = Unicode(help="The service's path behind the proxy (JUPYTERHUB_SERVICE_PREFIX).").tag(config=True)
 

@@ -77,15 +77,16 @@ def up(args: argparse.Namespace) -> int:
         print(f"gpupool: stopped {len(stale)} service process(es) an earlier run on {state} left running: "
               + "; ".join(stale), flush=True)
     # The proxy's own ports are left out: JupyterHub replaces a proxy an earlier run left (state/proxy.pid).
-    wanted = {args.port + 1: "the hub", args.port + 3: "the accounting service", args.port + 5: "the jobs service",
-              args.port + 6: "the idle culler"}
+    offsets = defaults.PORT_OFFSETS
+    wanted = {args.port + offsets["hub"]: "the hub", args.port + offsets["accounting"]: "the accounting service",
+              args.port + offsets["jobs"]: "the jobs service", args.port + offsets["culler"]: "the idle culler"}
     if not getattr(args, "no_mlflow", False):
-        wanted[args.port + 4] = "MLflow"
+        wanted[args.port + offsets["mlflow"]] = "MLflow"
     taken = lifecycle.ports_in_use(wanted)
     if taken:
         which = f"port {taken[0]} is" if len(taken) == 1 else f"ports {', '.join(taken)} are"
         print(f"gpupool up: {which} in use by another program; stop it, or choose another "
-              f"--port (gpupool uses PORT to PORT+6)", file=sys.stderr)
+              f"--port (gpupool uses PORT to PORT+{max(defaults.PORT_OFFSETS.values())})", file=sys.stderr)
         return 1
     password = prepare_state(state, args.admin_password_file)
     url = f"http://{args.ip}:{args.port}/"

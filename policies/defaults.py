@@ -18,6 +18,23 @@ STATE_DIR = Path("state")
 STATE_DIR_ENV = "GPUPOOL_STATE_DIR"
 
 
+#: The public proxy's port of `gpupool up` when none is given (`--port`, `$GPUPOOL_PORT`).
+PORT = 8000
+#: Where each of the platform's processes listens, as an offset from that port: PORT to PORT+6, on 127.0.0.1.
+PORT_OFFSETS = {"proxy": 0, "hub": 1, "proxy API": 2, "accounting": 3, "mlflow": 4, "jobs": 5, "culler": 6}
+
+
+def service_url(name: str, port: int = PORT) -> str:
+    """Where the platform's process `name` (a key of `PORT_OFFSETS`) listens when the proxy is on `port`."""
+    return f"http://127.0.0.1:{port + PORT_OFFSETS[name]}"
+
+
+def env(name: str, fallback: str, environ: Mapping[str, str] | None = None) -> str:
+    """An environment variable, empty counting as unset: the documented fallback of a setting."""
+    environ = os.environ if environ is None else environ
+    return environ.get(name) or fallback
+
+
 def state_dir(environ: Mapping[str, str] | None = None) -> Path:
     """`$GPUPOOL_STATE_DIR`, else `./state` (of the current folder, as an absolute path)."""
     environ = os.environ if environ is None else environ

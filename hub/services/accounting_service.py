@@ -834,11 +834,6 @@ def reconcile_once(ledger: Ledger, policy_of, hub: HubClient | None, stale: time
         log.exception("reconciliation of stale intervals failed")
 
 
-def _env(name: str, fallback: str) -> str:
-    """An environment variable, empty counting as unset: the documented fallback of a trait."""
-    return os.environ.get(name) or fallback
-
-
 class AccountingService(Application):
     """`python -m gpupool.hub.services.accounting_service`: the accounting service's settings, and the service itself.
 
@@ -900,7 +895,7 @@ class AccountingService(Application):
 
     @default("ledger_url")
     def _default_ledger_url(self):
-        return _env("GPUPOOL_LEDGER_URL", defaults.ledger_url(self.state_dir))
+        return defaults.env("GPUPOOL_LEDGER_URL", defaults.ledger_url(self.state_dir))
 
     policy_dir = Unicode(
         help="""
@@ -911,7 +906,7 @@ class AccountingService(Application):
 
     @default("policy_dir")
     def _default_policy_dir(self):
-        return _env("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR))
+        return defaults.env("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR))
 
     team_root = Unicode(
         help="""
@@ -922,7 +917,7 @@ class AccountingService(Application):
 
     @default("team_root")
     def _default_team_root(self):
-        return _env("GPUPOOL_TEAM_ROOT", str(defaults.team_root(self.state_dir)))
+        return defaults.env("GPUPOOL_TEAM_ROOT", str(defaults.team_root(self.state_dir)))
 
     nav_services = List(
         Unicode(),
@@ -934,7 +929,7 @@ class AccountingService(Application):
 
     @default("nav_services")
     def _default_nav_services(self):
-        return [n for n in _env("GPUPOOL_NAV_SERVICES", ACCOUNTING_SERVICE).split(",") if n]
+        return [n for n in defaults.env("GPUPOOL_NAV_SERVICES", ACCOUNTING_SERVICE).split(",") if n]
 
     reconcile_seconds = Float(
         help="""
@@ -945,7 +940,7 @@ class AccountingService(Application):
 
     @default("reconcile_seconds")
     def _default_reconcile_seconds(self):
-        return float(_env("GPUPOOL_RECONCILE_SECONDS", "60"))
+        return float(defaults.env("GPUPOOL_RECONCILE_SECONDS", "60"))
 
     reconcile_stale_seconds = Integer(
         help="""
@@ -956,7 +951,7 @@ class AccountingService(Application):
 
     @default("reconcile_stale_seconds")
     def _default_reconcile_stale_seconds(self):
-        return int(_env("GPUPOOL_RECONCILE_STALE_SECONDS", "300"))
+        return int(defaults.env("GPUPOOL_RECONCILE_STALE_SECONDS", "300"))
 
     service_url = Unicode(
         help="""
@@ -968,7 +963,7 @@ class AccountingService(Application):
 
     @default("service_url")
     def _default_service_url(self):
-        return _env("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:8003")
+        return defaults.env("JUPYTERHUB_SERVICE_URL", defaults.service_url("accounting"))
 
     service_prefix = Unicode(
         help="""
@@ -979,7 +974,7 @@ class AccountingService(Application):
 
     @default("service_prefix")
     def _default_service_prefix(self):
-        return _env("JUPYTERHUB_SERVICE_PREFIX", f"/services/{ACCOUNTING_SERVICE}/")
+        return defaults.env("JUPYTERHUB_SERVICE_PREFIX", f"/services/{ACCOUNTING_SERVICE}/")
 
     hub_base_url = Unicode(
         help="""The hub's base URL (its pages are at `{base_url}hub/`). Default: `$JUPYTERHUB_BASE_URL`, else `/`.""",
@@ -987,7 +982,7 @@ class AccountingService(Application):
 
     @default("hub_base_url")
     def _default_hub_base_url(self):
-        return _env("JUPYTERHUB_BASE_URL", "/")
+        return defaults.env("JUPYTERHUB_BASE_URL", "/")
 
     hub_api_url = Unicode(
         help="""

@@ -403,21 +403,17 @@ def make_app(ledger: Ledger, policy_dir: str, prefix: str, state_dir: str, team_
     )
 
 
-def _env(name: str, fallback: str) -> str:
-    return os.environ.get(name) or fallback
-
-
 def main(argv=None) -> None:
     """`python -m gpupool.hub.services.jobs_service`: configured from the environment the hub gives it."""
     logging.basicConfig(level=logging.INFO, format="[%(levelname)s %(asctime)s jobs] %(message)s")
-    state_dir = _env("GPUPOOL_STATE_DIR", str(defaults.state_dir()))
-    ledger = Ledger(_env("GPUPOOL_LEDGER_URL", defaults.ledger_url(state_dir)))
-    prefix = _env("JUPYTERHUB_SERVICE_PREFIX", "/services/jobs/")
-    nav = tuple(n for n in _env("GPUPOOL_NAV_SERVICES", "jobs").split(",") if n)
-    app = make_app(ledger, _env("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR)), prefix, state_dir,
-                   _env("GPUPOOL_TEAM_ROOT", str(defaults.team_root(state_dir))), _env("JUPYTERHUB_BASE_URL", "/"),
-                   nav, kubernetes=_env(MODE_ENV, "embedded") == "kubernetes", run_as=_env(RUN_AS_ENV, "self"))
-    url = urlparse(_env("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:8005"))
+    state_dir = defaults.env("GPUPOOL_STATE_DIR", str(defaults.state_dir()))
+    ledger = Ledger(defaults.env("GPUPOOL_LEDGER_URL", defaults.ledger_url(state_dir)))
+    prefix = defaults.env("JUPYTERHUB_SERVICE_PREFIX", "/services/jobs/")
+    nav = tuple(n for n in defaults.env("GPUPOOL_NAV_SERVICES", "jobs").split(",") if n)
+    app = make_app(ledger, defaults.env("GPUPOOL_POLICIES", str(DEFAULT_POLICY_DIR)), prefix, state_dir,
+                   defaults.env("GPUPOOL_TEAM_ROOT", str(defaults.team_root(state_dir))), defaults.env("JUPYTERHUB_BASE_URL", "/"),
+                   nav, kubernetes=defaults.env(MODE_ENV, "embedded") == "kubernetes", run_as=defaults.env(RUN_AS_ENV, "self"))
+    url = urlparse(defaults.env("JUPYTERHUB_SERVICE_URL", defaults.service_url("jobs")))
     app.listen(url.port or 80, url.hostname or "127.0.0.1")
     log.info("gpupool-jobs at %s%s", url.geturl(), prefix)
     ioloop.IOLoop.current().start()
