@@ -39,6 +39,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import requests
 import yaml
 
@@ -79,6 +80,16 @@ def yunikorn_dir() -> Path:
     """Where `make kube-tools` puts YuniKorn: `bin/` and `src/` (the unpacked k8shim, core and interface)."""
     done = subprocess.run(["bash", str(BUILD), "--print-yunikorn-dir"], capture_output=True, text=True, check=True)
     return Path(done.stdout.strip())
+
+
+def require(problem: str | None) -> None:
+    """A module's engine is missing (`problem`, from `missing_tools` or `missing_yunikorn`): skip, naming it; fail
+    instead under GPUPOOL_REQUIRE_KUBE=1 (CI, where `make test` builds them)."""
+    if problem is None:
+        return
+    if os.environ.get("GPUPOOL_REQUIRE_KUBE") == "1":
+        pytest.fail(problem)
+    pytest.skip(problem)
 
 
 def missing_yunikorn() -> str | None:

@@ -79,11 +79,7 @@ def volcano_policy_copy(tmp_path: Path, queue_timeout: int, budgets: dict[str, i
 
 @pytest.fixture(scope="module")
 def cluster(request):
-    problem = kc.missing_tools()
-    if problem:
-        if os.environ.get("GPUPOOL_REQUIRE_KUBE") == "1":
-            pytest.fail(problem)
-        pytest.skip(problem)
+    kc.require(kc.missing_tools())
     failures = request.session.testsfailed
     with kc.running_cluster(keep=lambda: request.session.testsfailed > failures) as running:
         policy_dir = running.base / "node-policy"

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -111,11 +110,7 @@ def apply(cluster, manifest: str) -> None:
 def cluster(request, tmp_path_factory):
     """The control plane with KWOK's fake GPU nodes for the policy, the rendered objects applied, then YuniKorn
     (one scheduler for the module)."""
-    problem = kc.missing_yunikorn()
-    if problem:
-        if os.environ.get("GPUPOOL_REQUIRE_KUBE") == "1":
-            pytest.fail(problem)
-        pytest.skip(problem)
+    kc.require(kc.missing_yunikorn())
     failures = request.session.testsfailed
     policies = write_policy(tmp_path_factory.mktemp("yunikorn") / "policies")
     with kc.running_cluster(keep=lambda: request.session.testsfailed > failures, engines=("yunikorn",)) as running:
@@ -221,15 +216,20 @@ def test_yunikorn_listens_on_loopback_only(cluster):
     assert int(cluster.yunikorn_url.rsplit(":", 1)[1]) in {address.port for address in listening}
 
 
-def test_a_pod_naming_a_queue_that_does_not_exist_is_rejected_not_left_pending(cluster):
+@pytest.mark.parametrize("name, queue", [
     # the `provided` placement rule creates no queue: what gpupool renders is the whole tree
-    team_pod(cluster, "nowhere-1", "vision", "h200", queue="root.nowhere")
+    ("nowhere-1", "root.nowhere"),
+    # why `gpupool policy check` refuses members or profiles on a team with child teams under YuniKorn
+    ("parent-1", "root.research"),
+], ids=["a-queue-that-does-not-exist", "a-parent-teams-queue"])
+def test_a_pod_naming_a_queue_it_cannot_run_in_is_rejected_not_left_pending(cluster, name, queue):
+    team_pod(cluster, name, "vision", "h200", queue=queue)
     try:
-        pod = wait("nowhere-1 Failed", lambda: (lambda p: p if p["status"].get("phase") == "Failed" else None)(
-            pod_now(cluster, "nowhere-1")))
+        pod = wait(f"{name} Failed", lambda: (lambda p: p if p["status"].get("phase") == "Failed" else None)(
+            pod_now(cluster, name)))
         assert pod["status"].get("reason") == "ApplicationRejected" and not pod["spec"].get("nodeName")
     finally:
-        cluster.kubectl("delete", "pod", "--wait", "--ignore-not-found", "-n", NAMESPACE, "nowhere-1")
+        cluster.kubectl("delete", "pod", "--wait", "--ignore-not-found", "-n", NAMESPACE, name)
 
 
 def test_a_pod_in_a_queue_whose_path_is_longer_than_a_label_value_runs(cluster):
@@ -241,17 +241,6 @@ def test_a_pod_in_a_queue_whose_path_is_longer_than_a_label_value_runs(cluster):
         assert queue_info(cluster, path)["allocatedResource"]["nvidia.com/gpu"] == 1
     finally:
         cluster.kubectl("delete", "pod", "--wait", "--ignore-not-found", "-n", NAMESPACE, "long-1")
-
-
-def test_a_pod_naming_a_parent_teams_queue_is_rejected(cluster):
-    # why `gpupool policy check` refuses members or profiles on a team with child teams under YuniKorn
-    team_pod(cluster, "parent-1", "vision", "h200", queue="root.research")
-    try:
-        pod = wait("parent-1 Failed", lambda: (lambda p: p if p["status"].get("phase") == "Failed" else None)(
-            pod_now(cluster, "parent-1")))
-        assert pod["status"].get("reason") == "ApplicationRejected" and not pod["spec"].get("nodeName")
-    finally:
-        cluster.kubectl("delete", "pod", "--wait", "--ignore-not-found", "-n", NAMESPACE, "parent-1")
 
 
 def path(obj: dict) -> str:
