@@ -49,7 +49,10 @@ def shared_as_user_warning(user: str) -> str:
 
 
 @dataclass(frozen=True)
-class Settings:
+class PlatformSettings:
+    """The embedded platform's locations, ports and switches, as `gpupool up` passes them to the hub (`GPUPOOL_*`,
+    `from_env`); not the policy's `settings:` section (`gpupool.policies.model.Settings`)."""
+
     state_dir: Path
     policy_dir: Path = DEFAULT_POLICY_DIR
     ip: str = "127.0.0.1"
@@ -101,7 +104,7 @@ class Settings:
         return f"http://{self.ip}:{self.port}/"
 
     @classmethod
-    def from_env(cls) -> Settings:
+    def from_env(cls) -> PlatformSettings:
         env = os.environ
         return cls(
             state_dir=defaults.state_dir(env),
@@ -126,7 +129,7 @@ class Settings:
             object.__setattr__(self, "team_root", str(defaults.team_root(self.state_dir)))
 
 
-def workstation_problem(db_url: str, settings: Settings) -> str | None:
+def workstation_problem(db_url: str, settings: PlatformSettings) -> str | None:
     """Why the platform cannot start as a personal workstation (`settings.personal`), or None: the hub's database
     (`db_url`) or the policies' member lists know someone besides the admin, e.g. after a run with
     `--unsafe-shared-as-user`. Refused rather than blocked: JupyterHub's blocked users lose their groups."""
@@ -170,7 +173,7 @@ def proxy_command() -> list[str]:
     raise RuntimeError("configurable-http-proxy is not installed: run `make up` (npm install into the repository)")
 
 
-def mlflow_service(settings: Settings) -> dict:
+def mlflow_service(settings: PlatformSettings) -> dict:
     """The hub-managed `mlflow server` of the embedded mode: SQLite runs and models, artifacts in the state folder.
 
     Artifacts go through the server (`--serve-artifacts`), so clients never hold storage credentials; the
@@ -335,7 +338,7 @@ def idle_notice(ledger_url: str, name: str) -> str:
         Markup("").join(items), f"../services/{CULLER_SERVICE}/")
 
 
-def apply_config(c, settings: Settings) -> None:
+def apply_config(c, settings: PlatformSettings) -> None:
     """Set the traits of a traitlets Config `c` for the embedded platform."""
     policy = load_policy(settings.policy_dir)
     state = settings.state_dir

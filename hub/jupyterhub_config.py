@@ -12,14 +12,14 @@ from traitlets.config import Application
 
 from gpupool.hub.services.jobs_service import RUN_AS_ENV
 from gpupool.hub.app import GPUPoolHub
-from gpupool.hub.config import Settings, apply_config, shared_as_user_warning, workstation_problem
+from gpupool.hub.config import PlatformSettings, apply_config, shared_as_user_warning, workstation_problem
 from gpupool.policies import load_policy
 from gpupool.spawner.accounts import DEFAULT_RECORD, claim_machine
 from gpupool.spawner.local import UNSAFE_SINGLE_USER, default_server_env, root_servers_problem
 from gpupool.spawner.wiring import JOBS_SERVICE
 
 c = get_config()  # noqa: F821 - provided by JupyterHub
-settings = Settings.from_env()
+settings = PlatformSettings.from_env()
 apply_config(c, settings)
 
 # Teams that allow sharing get JupyterHub's `shares` scope; only gpupool's hub (`gpupool-hub`, which `gpupool up`

@@ -23,7 +23,7 @@ import requests
 from traitlets.config import Config
 
 from gpupool.hub.accounting.ledger import Ledger, run_server
-from gpupool.hub.config import Settings, apply_config, named_server_limit
+from gpupool.hub.config import PlatformSettings, apply_config, named_server_limit
 from gpupool.policies.periods import period_bounds, period_of, utcnow
 from harness import Browser, Hub, wait_for
 from ordinary_user import ordinary_user
@@ -92,7 +92,7 @@ def test_the_hub_limit_is_the_one_of_the_user_in_the_path(policy):
 
 def test_only_teams_that_allow_sharing_get_the_shares_scope(policy, tmp_path):
     c = Config()
-    apply_config(c, Settings(state_dir=tmp_path / "state", policy_dir=policy))
+    apply_config(c, PlatformSettings(state_dir=tmp_path / "state", policy_dir=policy))
     assert c.JupyterHub.allow_named_servers is True
     assert callable(c.JupyterHub.named_server_limit_per_user)
     assert c.GPUPoolHub.policy_dir == str(policy)

@@ -6,14 +6,14 @@ import os
 
 from traitlets.config import Config
 
-from gpupool.hub.config import Settings, apply_config
+from gpupool.hub.config import PlatformSettings, apply_config
 from gpupool.spawner.wiring import SERVER_TOKEN_SCOPES
 from gpupool.spawner.mixin import GPUPoolSpawnerMixin, mlflow_env
 
 
 def test_gpupool_up_runs_mlflow_behind_the_hub_with_state_in_the_state_folder(tmp_path):
     c = Config()
-    apply_config(c, Settings(state_dir=tmp_path, port=9000))
+    apply_config(c, PlatformSettings(state_dir=tmp_path, port=9000))
     (service,) = [s for s in c.JupyterHub.services if s["name"] == "mlflow"]
     assert service["url"] == "http://127.0.0.1:9004"
     command = service["command"][service["command"].index("--") + 1:]  # under the lifecycle supervisor
@@ -36,7 +36,7 @@ def test_gpupool_up_runs_mlflow_behind_the_hub_with_state_in_the_state_folder(tm
     # to every user of the machine), only in the service's environment.
     c = Config()
     url = "postgresql+psycopg://u:secret-pw@db/mlflow"
-    apply_config(c, Settings(state_dir=tmp_path, mlflow_backend_url=url))
+    apply_config(c, PlatformSettings(state_dir=tmp_path, mlflow_backend_url=url))
     (service,) = [s for s in c.JupyterHub.services if s["name"] == "mlflow"]
     assert service["environment"]["MLFLOW_BACKEND_STORE_URI"] == url
     assert not [arg for s in c.JupyterHub.services for arg in s.get("command", []) if "secret-pw" in arg]
@@ -66,20 +66,20 @@ def test_a_servers_mlflow_environment_and_token_scopes():
 
 def test_the_team_root_is_one_setting_for_the_servers_and_the_datasets_tab(tmp_path):
     c = Config()
-    apply_config(c, Settings(state_dir=tmp_path))
+    apply_config(c, PlatformSettings(state_dir=tmp_path))
     (accounting,) = [s for s in c.JupyterHub.services if s["name"] == "accounting"]
     # Beside the 0700 state folder when servers may run as their own users (root), else inside it.
     default = tmp_path.parent / "teams" if os.geteuid() == 0 else tmp_path / "teams"
     assert c.LocalGPUSpawner.team_root == accounting["environment"]["GPUPOOL_TEAM_ROOT"] == str(default)
     c = Config()
-    apply_config(c, Settings(state_dir=tmp_path, team_root="/srv/gpupool/teams"))
+    apply_config(c, PlatformSettings(state_dir=tmp_path, team_root="/srv/gpupool/teams"))
     (accounting,) = [s for s in c.JupyterHub.services if s["name"] == "accounting"]
     assert c.LocalGPUSpawner.team_root == accounting["environment"]["GPUPOOL_TEAM_ROOT"] == "/srv/gpupool/teams"
 
 
 def test_without_mlflow_there_is_no_service_role_or_server_variables(tmp_path):
     c = Config()
-    apply_config(c, Settings(state_dir=tmp_path, mlflow=False))
+    apply_config(c, PlatformSettings(state_dir=tmp_path, mlflow=False))
     assert [s["name"] for s in c.JupyterHub.services] == ["gpupool-queue", "accounting", "jobs", "culler"]
     assert "gpupool-mlflow" not in {r["name"] for r in c.JupyterHub.load_roles}
     assert c.LocalGPUSpawner.mlflow_url == ""

@@ -10,7 +10,7 @@ from pathlib import Path
 from traitlets.config import Config
 
 from gpupool.hub.services import accounting_service as service
-from gpupool.hub.config import Settings, apply_config
+from gpupool.hub.config import PlatformSettings, apply_config
 from gpupool.policies import DEFAULT_POLICY_DIR, defaults
 from gpupool.spawner import volcano
 from gpupool.spawner.local import LocalGPUSpawner
@@ -57,7 +57,7 @@ def test_the_hub_the_spawner_and_the_services_fall_back_alike(monkeypatch, tmp_p
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
     state = tmp_path / "state"
-    settings = Settings.from_env()
+    settings = PlatformSettings.from_env()
     assert settings.state_dir == state
     assert settings.ledger_url == defaults.ledger_url(state)
     assert settings.team_root == str(defaults.team_root(state))
@@ -69,7 +69,7 @@ def test_the_hub_the_spawner_and_the_services_fall_back_alike(monkeypatch, tmp_p
         assert LocalGPUSpawner(run_as=run_as, state_dir=str(state)).team_root == str(
             state.parent / "teams" if run_as == "user" else state / "teams")
     c = Config()
-    apply_config(c, Settings(state_dir=state))
+    apply_config(c, PlatformSettings(state_dir=state))
     (accounting,) = [s for s in c.JupyterHub.services if s["name"] == "accounting"]
     assert accounting["environment"]["GPUPOOL_LEDGER_URL"] == c.LocalGPUSpawner.ledger_url == settings.ledger_url
     assert accounting["environment"]["GPUPOOL_TEAM_ROOT"] == c.LocalGPUSpawner.team_root == settings.team_root

@@ -102,13 +102,13 @@ POLICY = {
 
 
 def _settings(tmp_path, members: str = "[]"):
-    from gpupool.hub.config import Settings
+    from gpupool.hub.config import PlatformSettings
 
     policy = tmp_path / "policies"
     policy.mkdir(exist_ok=True)
     for name, text in {**POLICY, "teams.yaml": f"teams:\n  vision: {{members: {members}}}\n"}.items():
         (policy / name).write_text(text)
-    return Settings(state_dir=tmp_path / "state", policy_dir=policy, personal=True)
+    return PlatformSettings(state_dir=tmp_path / "state", policy_dir=policy, personal=True)
 
 
 def test_a_personal_workstation_lets_the_admin_alone_in(tmp_path):
