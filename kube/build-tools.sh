@@ -15,6 +15,9 @@
 # is never open on the machine's interfaces and several can run side by side. A network namespace of its own
 # (`unshare -n`) would also keep it off the interfaces, but the scheduler must reach the API server on this
 # machine's loopback, which a new namespace does not have: the patch is the simpler of the two.
+# KWOK is patched too (`kwok_patch`): its pod controller deletes and patches pods by name, where a kubelet names
+# the pod's UID as a precondition; Volcano names a Job's pods alike on every restart, so a late delete of the
+# last pod deleted the next one (seen in CI: a run Volcano restarted twice for one failure).
 #
 # `go install pkg@version` refuses modules with replace directives (Kubernetes' staging modules, etcd's
 # sibling modules), so each is built from a small wrapper module that requires the release and replaces every
@@ -26,10 +29,12 @@ source "$here/versions.env"
 cache="${GPUPOOL_KUBE_CACHE:-$HOME/.cache/gpupool/kube}"
 dest="$cache/k8s-$KUBERNETES_VERSION-etcd-$ETCD_VERSION-kwok-$KWOK_VERSION"
 bins=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok)
-# complete: every binary, KWOK's stages and its CRDs (copied last)
+#: The KWOK binary's patch level (`kwok_patch` below); a binary built before it is built again.
+kwok_patched="$dest/bin/.kwok-uid-preconditions"
+# complete: every binary (KWOK's patched), KWOK's stages and its CRDs (copied last)
 complete() {
   for b in "${bins[@]}"; do [[ -x "$dest/bin/$b" ]] || return 1; done
-  [[ -f "$dest/kwok-stages/.complete" && -f "$dest/kwok-crds/.complete" ]]
+  [[ -f "$kwok_patched" && -f "$dest/kwok-stages/.complete" && -f "$dest/kwok-crds/.complete" ]]
 }
 vdest="$cache/volcano-$VOLCANO_VERSION"
 vbins=(vc-scheduler vc-controller-manager)
@@ -81,6 +86,83 @@ build() { # DIR OUT PKG [LDFLAGS]
   mv "$dest/bin/$out.tmp" "$dest/bin/$out"
 }
 
+# kwok_patch DIR: KWOK's module copied into DIR/kwok-src and put in by a `replace` line, its pod controller
+# patched to name the pod's UID when it deletes or patches a pod, as a kubelet does (Kubernetes' status manager:
+# a UID precondition on its delete, `metadata.uid` in its status patch): the API server then refuses what was
+# meant for an earlier pod of the same name. The build stops if the lines this patch knows changed.
+kwok_patch() {
+  local dir="$1" src controllers
+  src="$(cd "$dir" && go list -m -f '{{.Dir}}' sigs.k8s.io/kwok)"
+  rm -rf "$dir/kwok-src" && cp -r "$src" "$dir/kwok-src" && chmod -R u+w "$dir/kwok-src"
+  controllers="$dir/kwok-src/pkg/kwok/controllers"
+  for line in 'Pods(pod.Namespace).Delete(ctx, pod.Name, deleteOpt)' \
+              'Pods(pod.Namespace).Patch(ctx, pod.Name, patch.Type, patch.Data, metav1.PatchOptions{}, subresource...)'; do
+    grep -qF "$line" "$controllers/pod_controller.go" || {
+      echo "kube-tools: KWOK's pod_controller.go no longer has \"$line\": the UID patch needs updating" >&2; exit 1; }
+  done
+  sed -i -e 's|Pods(pod.Namespace).Delete(ctx, pod.Name, deleteOpt)|Pods(pod.Namespace).Delete(ctx, pod.Name, podDeleteOptions(pod))|' \
+         -e 's|Pods(pod.Namespace).Patch(ctx, pod.Name, patch.Type, patch.Data, |Pods(pod.Namespace).Patch(ctx, pod.Name, patch.Type, patchWithUID(patch, pod), |' \
+         "$controllers/pod_controller.go"
+  cat > "$controllers/gpupool_uid.go" <<'GO'
+package controllers
+
+// Patched in by gpupool's kube/build-tools.sh: KWOK acts on the pod it saw, as a kubelet does, never on a newer
+// pod of the same name.
+
+import (
+	"encoding/json"
+
+	corev1 "k8s.io/api/core/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/types"
+
+	"sigs.k8s.io/kwok/pkg/utils/lifecycle"
+)
+
+// podDeleteOptions: KWOK's delete options with the pod's UID as a precondition.
+func podDeleteOptions(pod *corev1.Pod) metav1.DeleteOptions {
+	opt := *deleteOpt.DeepCopy()
+	opt.Preconditions = metav1.NewUIDPreconditions(string(pod.UID))
+	return opt
+}
+
+// patchWithUID: the patch with the pod's UID in it, which the API server refuses to change: `metadata.uid` in a
+// merge patch, a `test` operation before a JSON patch.
+func patchWithUID(patch *lifecycle.Patch, pod *corev1.Pod) []byte {
+	if pod.UID == "" {
+		return patch.Data
+	}
+	switch patch.Type {
+	case types.MergePatchType, types.StrategicMergePatchType:
+		var object map[string]any
+		if json.Unmarshal(patch.Data, &object) != nil || object == nil {
+			return patch.Data
+		}
+		meta, _ := object["metadata"].(map[string]any)
+		if meta == nil {
+			meta = map[string]any{}
+		}
+		meta["uid"] = string(pod.UID)
+		object["metadata"] = meta
+		if data, err := json.Marshal(object); err == nil {
+			return data
+		}
+	case types.JSONPatchType:
+		var operations []any
+		if json.Unmarshal(patch.Data, &operations) != nil {
+			return patch.Data
+		}
+		test := map[string]any{"op": "test", "path": "/metadata/uid", "value": string(pod.UID)}
+		if data, err := json.Marshal(append([]any{test}, operations...)); err == nil {
+			return data
+		}
+	}
+	return patch.Data
+}
+GO
+  (cd "$dir" && go mod edit -replace "sigs.k8s.io/kwok=./kwok-src" && go mod tidy >/dev/null)
+}
+
 # etcd: the server module's main package; its siblings (api, client, pkg) at the same version
 if [[ ! -x "$dest/bin/etcd" ]]; then
   step "etcd $ETCD_VERSION: resolving modules"
@@ -101,12 +183,14 @@ if ! complete; then
     [[ -x "$dest/bin/$b" ]] || build "$work/kubernetes" "$b" "k8s.io/kubernetes/cmd/$b" "$kver"
   done
   # KWOK: no replace directives; built in its own module so its Kubernetes libraries are its own
-  if [[ ! -x "$dest/bin/kwok" ]]; then
+  if [[ ! -x "$dest/bin/kwok" || ! -f "$kwok_patched" ]]; then
     step "KWOK $KWOK_VERSION: resolving modules"
-    mkdir -p "$work/kwok"
+    rm -rf "$work/kwok" && mkdir -p "$work/kwok"
     printf 'module gpupool.local/kwoktools\ngo 1.24\n' > "$work/kwok/go.mod"
     (cd "$work/kwok" && printf 'package main\nimport _ "sigs.k8s.io/kwok/cmd/kwok"\n' > tools.go && go get "sigs.k8s.io/kwok@$KWOK_VERSION" >/dev/null && go mod tidy >/dev/null)
+    kwok_patch "$work/kwok"
     build "$work/kwok" kwok sigs.k8s.io/kwok/cmd/kwok "-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION"
+    touch "$kwok_patched"
   fi
 fi
 if [[ ! -f "$dest/kwok-crds/.complete" ]]; then
