@@ -46,21 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def dump(documents: list[Any]) -> str:
-    """Multi-document YAML, byte-for-byte the same for the same input: sorted keys, no anchors."""
-    import yaml
+    """Multi-document YAML, byte-for-byte the same for the same input: sorted keys, no anchors, strings that
+    Kubernetes' Go parser would read as numbers quoted (`spawner.kubeyaml`)."""
+    from gpupool.spawner import kubeyaml
 
-    class Dumper(yaml.SafeDumper):
-        def ignore_aliases(self, data: Any) -> bool:
-            return True
-
-    def text(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
-        # Policy files and device plugin configs stay readable as block literals.
-        style = "|" if "\n" in value else None
-        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
-
-    Dumper.add_representer(str, text)
-    return yaml.dump_all(documents, Dumper=Dumper, sort_keys=True, allow_unicode=True, explicit_start=True,
-                         default_flow_style=False, width=120)
+    return kubeyaml.dump_all(documents)
 
 
 def policy_files(directory: Path) -> dict[str, str]:

@@ -13,9 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from gpupool.policies.model import DNS_LABEL, Policy
+from gpupool.spawner import kubeyaml
 from gpupool.spawner.wiring import (ACCOUNTING_SERVICE, CULLER_SERVICE, JOBS_SERVICE, MLFLOW_SERVICE, mlflow_url,
                                     service_roles, team_groups)
 
@@ -277,7 +276,7 @@ def time_slicing_config(policy: Policy, release: Release) -> dict[str, Any] | No
                 }
             },
         }
-        data[name] = yaml.safe_dump(config, sort_keys=False)
+        data[name] = kubeyaml.dump(config, sort_keys=False)
     if not data:
         return None
     return {

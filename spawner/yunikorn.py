@@ -29,11 +29,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import yaml
-
 from gpupool.policies import engines
 from gpupool.policies.model import Policy
-from gpupool.spawner import volcano
+from gpupool.spawner import kubeyaml, volcano
 
 #: The scheduler name YuniKorn serves (pods name it in `schedulerName`).
 SCHEDULER_NAME = "yunikorn"
@@ -111,7 +109,7 @@ def queues_config(policy: Policy) -> dict[str, Any]:
 
 def queues_yaml(policy: Policy) -> str:
     """`queues_config` as the text of the ConfigMap key: the same bytes for the same policy."""
-    return yaml.safe_dump(queues_config(policy), sort_keys=True, default_flow_style=False, width=120)
+    return kubeyaml.dump(queues_config(policy))
 
 
 def configs_configmap(policy: Policy, release: volcano.Release, namespace: str = DEFAULT_NAMESPACE) -> dict[str, Any]:

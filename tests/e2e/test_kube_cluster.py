@@ -178,6 +178,30 @@ def test_render_applies_server_side_and_a_second_apply_changes_nothing(cluster, 
         cluster.kubectl("delete", "--wait", "--ignore-not-found", "-f", "-", input=manifest)
 
 
+def test_teams_named_as_go_reads_numbers_are_applied_as_written(cluster, tmp_path):
+    """Philly's virtual clusters are teams named `6214e9`: PyYAML writes that plain, Kubernetes' YAML parser
+    (go-yaml) reads it as a number, and `kubectl apply` refused every object labelled with it. Rendered, applied
+    and stored as written, with YAML 1.2's octal form beside it."""
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "policy.yaml").write_text(
+        "models:\n  P100: {vendor: nvidia, memory_gib: 16, backends: [whole]}\n"
+        "inventory:\n  - {model: P100, count: 16}\n"
+        "teams:\n  6214e9: {queue: {deserved: {nvidia.com/gpu: '8'}}}\n  0o17: {}\n")
+    manifest = gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path)
+    try:
+        cluster.kubectl("apply", "--server-side", "-f", "-", input=manifest)
+        for team in ("6214e9", "0o17"):
+            queue = cluster.get(f"/apis/scheduling.volcano.sh/v1beta1/queues/{team}")
+            assert queue["metadata"]["labels"]["gpupool.io/team"] == team
+            assert cluster.get(f"/apis/scheduling.k8s.io/v1/priorityclasses/gpupool-{team}")["metadata"]["labels"][
+                "gpupool.io/team"] == team
+        assert cluster.get("/apis/scheduling.volcano.sh/v1beta1/queues/6214e9")["spec"]["deserved"] == {
+            "nvidia.com/gpu": "8"}
+    finally:
+        cluster.kubectl("delete", "--wait", "--ignore-not-found", "-f", "-", input=manifest)
+
+
 def as_applied(stored_object: dict) -> dict:
     """What gpupool's apply wrote of a stored object: all but its status and the resource version, which Volcano's
     queue controller changes on its own (a Queue's state), and with only gpupool's entries of its managed fields
