@@ -323,9 +323,10 @@ def fake_nodes(policy, cards: int = 8, per_model: int = 2) -> list[dict]:
 class KubeCluster:
     """A running control plane: `api()` is an admin's HTTP session, `kubectl()` an admin's kubectl."""
 
-    def __init__(self, base: Path, engines: tuple[str, ...] = ("volcano",)):
+    def __init__(self, base: Path, engines: tuple[str, ...] = ("volcano",), stages: tuple[dict, ...] = ()):
         self.base = base
         self.engines = engines  # Volcano is started with the control plane; YuniKorn by `start_yunikorn`
+        self.extra_stages = stages  # KWOK stages beside its own (`_kwok_stages`): a benchmark's pod lifecycles
         self.bin = tools_dir() / "bin"
         self.stages = tools_dir() / "kwok-stages"
         self.processes: dict[str, subprocess.Popen] = {}
@@ -402,7 +403,7 @@ class KubeCluster:
         self._run("kube-scheduler", "--config", str(scheduler_config), "--secure-port", "0", "--v=1")
 
         stages = self.base / "kwok-stages.yaml"
-        stages.write_text(yaml.safe_dump_all(_kwok_stages(self.stages)))
+        stages.write_text(yaml.safe_dump_all([*_kwok_stages(self.stages), *self.extra_stages]))
         # KWOK's `Logs`: which file its kubelet server serves as a pod's container log (`container_log`)
         self.kubectl("apply", "--server-side", "-f", str(tools_dir() / "kwok-crds" / "kwok.x-k8s.io_logs.yaml"))
         _wait("KWOK's Logs CRD", lambda: session.get(f"{self.url}/apis/kwok.x-k8s.io/v1alpha1/logs", timeout=3).ok, 30)
@@ -795,13 +796,14 @@ def _end(process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def running_cluster(base: Path | None = None, keep=lambda: False,
-                    engines: tuple[str, ...] = ("volcano",)) -> Iterator[KubeCluster]:
+def running_cluster(base: Path | None = None, keep=lambda: False, engines: tuple[str, ...] = ("volcano",),
+                    stages: tuple[dict, ...] = ()) -> Iterator[KubeCluster]:
     """Start a cluster in `base` (a new temporary folder by default), stop it at the end. The folder, with every
     component's log, is kept and named when the block raised or `keep()` says so at the end (a test failed).
-    `engines`: Volcano's is started with it; YuniKorn's is started by `KubeCluster.start_yunikorn`."""
+    `engines`: Volcano's is started with it; YuniKorn's is started by `KubeCluster.start_yunikorn`. `stages`:
+    KWOK stages added to its own."""
     folder = base or Path(tempfile.mkdtemp(prefix="gpupool-kube-"))
-    cluster = KubeCluster(folder, engines)
+    cluster = KubeCluster(folder, engines, stages)
     failed = True
     try:
         cluster.start()

@@ -597,6 +597,53 @@ def quarter_pod(name: str, priority_class: str) -> dict:
                                      "resources": {"limits": gpu, "requests": gpu}}]}}
 
 
+def whole_card_pod(name: str, cards: int) -> dict:
+    """A pod of team vision asking `cards` whole cards of the nodes only `test_whole_cards_fill_one_node…`
+    adds, with no CPU or memory requests (the scheduler then scores nodes by their cards alone)."""
+    gpu = {"nvidia.com/gpu": str(cards)}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {
+                "name": name, "namespace": NAMESPACE,
+                "annotations": {"scheduling.volcano.sh/queue-name": "vision", "volcano.sh/preemptable": "false"}},
+            "spec": {"schedulerName": kc.VOLCANO_SCHEDULER, "priorityClassName": "gpupool-vision",
+                     "nodeSelector": {"gpupool.io/test-node": "pack"}, "terminationGracePeriodSeconds": 0,
+                     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                     "containers": [{"name": "train", "image": "quay.io/jupyterhub/singleuser:5.3",
+                                     "resources": {"limits": gpu, "requests": gpu}}]}}
+
+
+def test_whole_cards_fill_one_node_so_that_a_job_of_a_whole_node_still_starts(cluster, tmp_path):
+    """The chart's `binpack` counts `nvidia.com/gpu`: four one-card pods go on one node of two, and a pod of
+    eight cards then runs on the other. Without `binpack.resources` binpack counted CPU and memory only and
+    nodeorder spread the four over both nodes (the Philly replay's check against the engine: a 4-card job
+    waited half an hour at 31% utilisation), and the eight-card pod waited with eight cards free."""
+    policies = volcano_policy_copy(tmp_path, queue_timeout=120)
+    cluster.kubectl("apply", "--server-side", "-f", "-",
+                    input=gpupool("render", "--policies", str(policies), "--namespace", NAMESPACE, cwd=tmp_path))
+    for n in range(2):
+        cluster.add_node(f"pack-h200-{n}", {"nvidia.com/gpu.product": "NVIDIA-H200", "gpupool.io/test-node": "pack"},
+                         {**kc.NODE_BASICS, "nvidia.com/gpu": "8"}, [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}])
+    pods = f"{cluster.url}/api/v1/namespaces/{NAMESPACE}/pods"
+    session = cluster.api()
+    names = [f"one-card-{n}" for n in range(4)]
+    try:
+        for name in names:
+            assert session.post(pods, json=whole_card_pod(name, 1), timeout=10).status_code == 201
+        kc._wait("the four one-card pods running", lambda: all(
+            cluster.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{name}")["status"].get("phase") == "Running"
+            for name in names), 60)
+        nodes = {cluster.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{name}")["spec"]["nodeName"] for name in names}
+        assert len(nodes) == 1, nodes
+        assert session.post(pods, json=whole_card_pod("eight-cards", 8), timeout=10).status_code == 201
+        kc._wait("the eight-card pod running", lambda: cluster.get(
+            f"/api/v1/namespaces/{NAMESPACE}/pods/eight-cards")["status"].get("phase") == "Running", 60)
+        assert cluster.get(f"/api/v1/namespaces/{NAMESPACE}/pods/eight-cards")["spec"]["nodeName"] not in nodes
+    finally:
+        for name in [*names, "eight-cards"]:
+            session.delete(f"{pods}/{name}", json={"gracePeriodSeconds": 0}, timeout=10)
+        kc._wait("the pods gone", lambda: not [p for p in session.get(pods, timeout=10).json()["items"]
+                                                if p["metadata"]["name"] in {*names, "eight-cards"}], 60)
+
+
 @pytest.mark.asyncio
 async def test_the_rendered_priority_classes_let_a_teams_notebook_preempt_deprioritized_work_and_not_back(
         cluster, kubeconfig, reflectors, ledger, tmp_path):
