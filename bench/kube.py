@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import importlib.util
 import os
 import statistics
 import subprocess
@@ -31,20 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
-sys.path.insert(0, str(TESTS))  # the test helpers import each other by module name, as under pytest
+from testhelpers import load
 
-
-def _load(name: str):
-    # the support modules are in tests/, the test modules in its folders (tests/unit/spawner/...)
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", next(TESTS.rglob(f"{name}.py")))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-kc = _load("kube_cluster")
-kube = _load("test_kube_spawner")  # JupyterHub's real user objects around a spawner
+kc = load("kube_cluster")
+kube = load("test_kube_spawner")  # JupyterHub's real user objects around a spawner
 NAMESPACE = "bench"
 #: A 0.25 × H200 Volcano vGPU share, as GPUKubeSpawner asks it (gpupool.policies.resources).
 H200_MIB = 141 * 1024

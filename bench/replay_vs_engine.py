@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import math
 import statistics
@@ -47,18 +46,9 @@ from gpupool.hub import replay as R
 from gpupool.spawner.kube import volcano_binding
 from gpupool.spawner.volcano import team_queue
 
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = ROOT / "tests"
-TRACES = ROOT.parent / "shared" / "data" / "traces" / "philly"
-sys.path.insert(0, str(TESTS))  # the test helpers import each other by module name, as under pytest
+from testhelpers import load
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", next(TESTS.rglob(f"{name}.py")))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+TRACES = Path(__file__).resolve().parents[2] / "shared" / "data" / "traces" / "philly"
 
 NAMESPACE = "bench"
 JOB_LABEL = "gpupool.bench/job"
@@ -215,7 +205,7 @@ class Watcher(threading.Thread):
 def run_engine(work: R.Workload, policy, args) -> tuple[dict[str, Seen], float]:
     """The slice through the real Volcano: what the watch saw of each job, and the engine's latency floor (the
     median wait, engine seconds, of three one-card jobs that arrive one at a time at the idle pool)."""
-    kc = _load("kube_cluster")
+    kc = load("kube_cluster")
     with tempfile.TemporaryDirectory() as tmp, \
             kc.running_cluster(stages=(completing_stage(kc.tools_dir() / "kwok-stages"),)) as cluster:
         for i in range(args.nodes):
