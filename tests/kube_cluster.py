@@ -113,6 +113,8 @@ def missing_tools(volcano: bool = True) -> str | None:
         absent.append("KWOK's stages")
     if not (tools_dir() / "kwok-crds" / ".complete").is_file():
         absent.append("KWOK's CRDs")
+    if (bin_dir / "kwok").is_file() and not (bin_dir / ".kwok-uid-preconditions").is_file():
+        absent.append("KWOK built with kube/build-tools.sh's UID patch")
     if absent:
         return f"the Kubernetes control plane is not built ({', '.join(absent)} missing in {bin_dir}): run make kube-tools"
     if not volcano:

@@ -599,7 +599,8 @@ def quarter_pod(name: str, priority_class: str) -> dict:
 
 def whole_card_pod(name: str, cards: int) -> dict:
     """A pod of team vision asking `cards` whole cards of the nodes only `test_whole_cards_fill_one_node…`
-    adds, with no CPU or memory requests (the scheduler then scores nodes by their cards alone)."""
+    adds, with no CPU or memory requests (binpack then scores nodes by their cards; nodeorder still counts
+    Kubernetes' default requests and prefers the emptier node)."""
     gpu = {"nvidia.com/gpu": str(cards)}
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {
                 "name": name, "namespace": NAMESPACE,
