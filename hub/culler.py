@@ -578,7 +578,8 @@ class ServersHandler(CullerHandler):
         viewer, policy = self.viewer(), self.policy
         users = None if viewer.admin and self.get_argument("all", "") == "1" else viewer.name
         rows = [describe(s, policy.idle_rule(s.team, s.profile)) for s in self.culler.store.running(users)]
-        self.write_json({"servers": rows})
+        # How often the culler looks: a warning's words change no more often (JupyterLab's check follows it).
+        self.write_json({"servers": rows, "interval_s": self.culler.interval})
 
 
 class KeepHandler(CullerHandler):

@@ -34,6 +34,8 @@ WARNED = ("warn", "warned")
 MAX_BODY_BYTES = 1024
 #: Seconds the culler has to answer through the hub's proxy.
 TIMEOUT_S = 30
+#: Seconds between two of JupyterLab's checks of the warning: the culler's pass (60 s by default), within these.
+CHECK_SECONDS, MIN_CHECK_S = 60.0, 5.0
 
 
 def culler_url(env: Mapping[str, str] = os.environ) -> str | None:
@@ -60,6 +62,16 @@ def warned(server: dict | None) -> bool:
         return False
     cull_at, keep_until = _when(server.get("cull_at")), _when(server.get("keep_until"))
     return not (cull_at and keep_until and keep_until > cull_at)
+
+
+def check_every(reply: Mapping) -> float:
+    """Seconds between two of JupyterLab's checks of the warning: as often as the culler looks (`interval_s` of
+    its answer; a warning's words change no more often), never more often than MIN_CHECK_S (every open JupyterLab
+    asks through the proxy), and CHECK_SECONDS when the culler does not say."""
+    interval = reply.get("interval_s")
+    if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
+        return CHECK_SECONDS
+    return max(MIN_CHECK_S, min(float(interval), CHECK_SECONDS))
 
 
 def this_server(servers: list[dict], user: str, name: str) -> dict | None:
@@ -111,9 +123,10 @@ class IdleHandler(APIHandler):
 
 
 class WarningHandler(IdleHandler):
-    """GET: `{"warned": bool, "server": the culler's row of this server or null}`."""
+    """GET: `{"warned": bool, "server": the culler's row of this server or null, "check_every_s": seconds until
+    JupyterLab's next check}`."""
 
-    # Asked every minute by an open JupyterLab: not the user's activity (JupyterHub's last_activity).
+    # Asked by an open JupyterLab as often as the culler looks: not the user's activity (JupyterHub's last_activity).
     _track_activity = False
 
     @web.authenticated
@@ -122,7 +135,7 @@ class WarningHandler(IdleHandler):
         if status != 200:
             raise web.HTTPError(502, f"the idle culler answered {status}: {reply.get('message', '')}")
         server = this_server(reply.get("servers") or [], self.user, self.server)
-        self.write_json(200, {"warned": warned(server), "server": server})
+        self.write_json(200, {"warned": warned(server), "server": server, "check_every_s": check_every(reply)})
 
 
 class KeepHandler(IdleHandler):

@@ -4,8 +4,8 @@ with the labextension gpupool-idle and the server extension gpupool.hub.lab_idle
 servers' environment. The screenshot goes into the docs (docs/screenshots/lab-idle-warning.png).
 
 The policy's times are minutes, as an admin writes them; the culler's clock (`tests/culler_clock.py`) lets them pass
-a step at a time, each step seen by a look of the culler, instead of the test waiting them out. What the test still
-waits for is JupyterLab's own check of the warning, at its start and then once a minute.
+a step at a time, each step seen by a look of the culler, instead of the test waiting them out. JupyterLab checks
+the warning as often as its server says: the culler's pass (a second here), never under 5 s.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import requests
 
 from culler_clock import CullerClock, seen_by_culler, step_until
 from harness import Browser, Hub
-from gpupool.hub.lab_idle import culler_url, this_server, warned
+from gpupool.hub.lab_idle import MIN_CHECK_S, check_every, culler_url, this_server, warned
 
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
 POLICY = {
@@ -51,6 +51,11 @@ def test_a_warning_stands_until_the_stop_it_announces_is_postponed():
     assert (culler_url({"JUPYTERHUB_PUBLIC_HUB_URL": "https://hub.example/hub/"})
             == "https://hub.example/services/culler/")
     assert culler_url({}) is None
+    # JupyterLab checks as often as the culler looks, within 5 s and a minute; a minute when the culler does not say.
+    assert check_every({"interval_s": 60}) == 60 and check_every({"interval_s": 20.5}) == 20.5
+    assert check_every({"interval_s": 1}) == 5 and check_every({"interval_s": 3600}) == 60
+    assert all(check_every({"interval_s": bad}) == 60 for bad in (None, 0, -5, "1", True, [1]))
+    assert check_every({}) == 60
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +113,7 @@ def test_jupyterlab_warns_before_the_stop_and_keeps_the_server(hub, clock):
     answer = requests.get(lab, headers=auth, timeout=60)
     assert answer.status_code == 200, answer.text
     assert answer.json()["warned"] is True and "will be stopped at" in answer.json()["server"]["message"]
+    assert answer.json()["check_every_s"] == MIN_CHECK_S  # the culler's pass is a second: JupyterLab's floor
     assert requests.get(lab, timeout=60, allow_redirects=False).status_code in (302, 403)  # nobody's login
 
     browser = Browser(chromium, driver)
@@ -117,7 +123,7 @@ def test_jupyterlab_warns_before_the_stop_and_keeps_the_server(hub, clock):
         browser.get(f"{hub.url}/user/alice/lab")
         browser.wait_page_loaded()
         # Loading JupyterLab is CPU work of the server, which may have ended the warning: idle again until warned,
-        # the warning shows at JupyterLab's start or at its next minute's check.
+        # the warning shows at JupyterLab's start or at its next check.
         step_until(hub, "alice", token, clock, warned_by_culler, minutes=10, most=40)
         browser.wait_for_text("will be stopped at", timeout=200)
         # JupyterLab draws a notification's words before its buttons: read it once the buttons are there too.
@@ -127,8 +133,8 @@ def test_jupyterlab_warns_before_the_stop_and_keeps_the_server(hub, clock):
         assert len(first) == 1, first
         assert "Keep it 1 h" in first[0] and "UTC to give its GPU back to the pool" in first[0], first
         # The culler's words change as the idle time grows (two more minutes of its clock; more if the server was
-        # busy meanwhile, which starts the idle time again). JupyterLab's next check (one a minute) then updates the
-        # notification with them: updated, not shown twice.
+        # busy meanwhile, which starts the idle time again). JupyterLab's next check then updates the notification
+        # with them: updated, not shown twice.
         step_until(hub, "alice", token, clock,
                    lambda row: warned_by_culler(row) and not first[0].startswith(row["message"]), minutes=2, most=20)
         # One warning in the end, with the new words: updated in place, or (when the server's stop time moved)

@@ -1,13 +1,15 @@
 // gpupool-idle: JupyterLab's warning before gpupool's idle culler stops this server, with "Keep it 1 h".
 //
 // It asks this server's own extension (gpupool.hub.lab_idle: GET gpupool/idle, POST gpupool/idle/keep), which asks
-// the culler with the server's hub token: the browser needs no login of its own to the culler service. At start
-// and every minute; one notification per warning, updated while it stands, gone when it no longer does.
+// the culler with the server's hub token: the browser needs no login of its own to the culler service. At start,
+// then as often as the server's answer says (`check_every_s`: the culler's pass, 60 s by default, never under 5 s);
+// one notification per warning, updated while it stands, gone when it no longer does.
 
 import { Notification } from '@jupyterlab/apputils';
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
+// Until the server says otherwise (an answer without `check_every_s`, or no answer).
 const CHECK_EVERY_MS = 60 * 1000;
 const KEEP_HOURS = 1;
 
@@ -36,7 +38,7 @@ const plugin = {
     const settings = app.serviceManager.serverSettings;
     // The notification on screen: its id, the stop it announces, its message.
     let shown = null;
-    let timer = null;
+    let checkEvery = CHECK_EVERY_MS;
 
     const forget = () => {
       if (shown) {
@@ -70,6 +72,13 @@ const plugin = {
       actions: [{ label: `Keep it ${KEEP_HOURS} h`, callback: () => void keep(), displayType: 'accent' }]
     });
 
+    // One check, then the next one after the interval the answer gives; none after a 503.
+    const checkThenNext = async () => {
+      if ((await check()) !== 'stop') {
+        setTimeout(() => void checkThenNext(), checkEvery);
+      }
+    };
+
     const check = async () => {
       let answer;
       try {
@@ -78,13 +87,15 @@ const plugin = {
         return; // the server is away (stopping, restarting): the next check says more
       }
       if (answer.status === 503) {
-        clearInterval(timer); // no culler to ask (a server gpupool did not start), nor will there be
-        return;
+        return 'stop'; // no culler to ask (a server gpupool did not start), nor will there be
       }
       if (answer.status !== 200) {
         return; // the culler did not answer: nothing to say until it does
       }
-      const { warned, server } = answer.body;
+      const { warned, server, check_every_s: seconds } = answer.body;
+      if (typeof seconds === 'number' && seconds > 0) {
+        checkEvery = seconds * 1000;
+      }
       if (!warned) {
         forget();
         return;
@@ -105,10 +116,7 @@ const plugin = {
       };
     };
 
-    void app.restored.then(() => {
-      timer = setInterval(() => void check(), CHECK_EVERY_MS);
-      void check();
-    });
+    void app.restored.then(() => void checkThenNext());
   }
 };
 
