@@ -437,8 +437,15 @@ def test_11_a_notebooks_mlflow_run_is_tagged_with_a_nonzero_cost(journey):
             time.sleep(5)
             mlflow.log_metric("loss", 0.25, step=1)
         print("RUN", run.info.run_id, run.info.experiment_id)
+        try:  # a claim of another share than the server's: the hub's MLflow refuses it, in both modes
+            mlflow.MlflowClient().create_run(run.info.experiment_id, tags={{"gpupool.share": "8"}})
+            print("FORGED accepted")
+        except Exception as error:
+            print("FORGED", str(error).splitlines()[0])
     """))
     (run_id, experiment_id), = re.findall(r"RUN (\w+) (\w+)", output)
+    forged = re.findall(r"FORGED (.*)", output)
+    assert forged and forged[0].startswith("PERMISSION_DENIED: gpupool.share is set by the platform"), output
     journey.made["run"] = (run_id, experiment_id)
     reply = journey.mlflow(person, "GET", "api/2.0/mlflow/runs/get", params={"run_id": run_id})
     assert reply.status_code == 200, reply.text
@@ -454,6 +461,15 @@ def test_12_mlflow_runs_list_in_the_terminal_shows_the_run(journey):
     run_id, experiment_id = journey.made["run"]
     listed = journey.terminal(PEOPLE[0]).check(f"mlflow runs list --experiment-id {experiment_id}")
     assert run_id in listed and RUN_NAME in listed, listed
+
+
+def test_12b_a_job_whose_working_folder_its_account_cannot_enter_is_refused_at_submit(journey):
+    """Issue 33: the jobs service checks a job's working folder as the account its runs would run as, and names
+    the folder, with the hub run as root and by an ordinary user alike; no job is made."""
+    terminal = journey.terminal(PEOPLE[0])
+    status, said = terminal.run("gpupool jobs submit --profile h200-quarter --workdir /root -- true")
+    assert status != 0 and "working folder '/root' cannot be entered" in said, said
+    assert terminal.check("gpupool jobs list").strip().endswith("no jobs")
 
 
 def test_13_with_the_hub_run_as_root_the_server_is_its_user_and_cannot_read_the_state(journey):
@@ -736,6 +752,15 @@ def test_19_without_the_opt_in_an_ordinary_users_platform_is_a_personal_workstat
                                     str(mine.state)], cwd=elsewhere, env={**mine.env, "HOME": env["HOME"]},
                                    capture_output=True, text=True, timeout=120, **as_user)
         assert mine_done.returncode == 0, mine_done.stderr
+        # Done for the day: `gpupool down`, as that user from another folder, stops the whole platform.
+        down = subprocess.run([str(mine.command), "down", "--state-dir", str(mine.state)], cwd=elsewhere,
+                              env={**mine.env, "HOME": env["HOME"]}, capture_output=True, text=True, timeout=120,
+                              **as_user)
+        assert down.returncode == 0, (down.stdout, down.stderr)
+        assert mine.process.wait(60) is not None
+        left = [p.info["cmdline"] for p in psutil.process_iter(["cmdline"])
+                if str(mine.state) in " ".join(p.info["cmdline"] or [])]
+        assert not left, f"gpupool down left these running: {left}"
     finally:
         mine.stop()
         mine.kill_leftovers()
