@@ -21,6 +21,7 @@ from traitlets import Unicode, default
 from gpupool.hub.availability import availability_handlers
 from gpupool.hub.config import TEMPLATES
 from gpupool.hub.sharing import share_handlers
+from gpupool.hub.spawn_api import spawn_api_handlers
 from gpupool.hub.spawn_page import spawn_page_handlers
 from gpupool.policies import DEFAULT_POLICY_DIR
 from gpupool.spawner.wiring import JOB_TOKEN_SCOPES
@@ -72,6 +73,8 @@ class GPUPoolHub(JupyterHub):
                                                                    *availability_handlers()])
         # Opening a spawn page makes no server (JupyterHub's made one that counted against the named-server limit).
         self.handlers = spawn_page_handlers(self.handlers)
+        # A spawn POSTed to the REST API is answered 202 as soon as it waits in the queue, not after 10 s.
+        self.handlers = spawn_api_handlers(self.handlers)
 
     def init_tornado_settings(self):
         # gpupool's pages (the spawn page, the progress page's Stop, the home page) in every mode that runs this

@@ -688,6 +688,16 @@ class LocalGPUSpawner(GPUPoolSpawnerMixin, LocalProcessSpawner):
             self.open_usage(queue_wait)
         return ip_port
 
+    async def waits_in_queue(self) -> str:
+        """The queue's message ("Waiting for …: position 1 of 1 …"), once this spawn waits in the pool's queue (a
+        pass gave it a place or a reason), so that the hub's REST answer need not wait longer
+        (`gpupool.hub.spawn_api`); never while it does not (placed at once, refused, or a profile without a GPU
+        share: the hub waits for the spawn itself then)."""
+        # Looked at, not awaited on the ticket's `changed`: that event is the progress stream's to clear.
+        while not ((ticket := self.pool.ticket(self.pool_key)) is not None and ticket.news):
+            await asyncio.sleep(0.05)
+        return ticket.message()
+
     async def progress(self):
         yield {"progress": 5, "message": "Checking the profile against your teams' quotas and the pool"}
         shown = None

@@ -125,11 +125,13 @@ def test_team_quota_makes_the_next_spawn_wait(hub):
     for n in (1, 2):
         assert hub.api("POST", f"/users/q{n}/server", json={"profile": "h200-quarter"}).status_code in (201, 202)
         hub.wait_ready(f"q{n}")
-    assert hub.api("POST", "/users/q3/server", json={"profile": "h200-quarter"}).status_code in (201, 202)
+    # The REST answer comes as soon as the request waits in the queue (not after JupyterHub's 10 s wait for a
+    # slow spawn), and says where it waits: the progress stream's words.
+    waiting = 'Waiting for 0.25 × H200: position 1 of 1 in queue "nlp" (team "nlp" holds 0.5 of 0.5 GPUs (quota))'
+    reply = hub.api("POST", "/users/q3/server", json={"profile": "h200-quarter"})
+    assert (reply.status_code, reply.text) == (202, waiting + "\n")
     events = hub.progress_until("q3", lambda e: "position" in e.get("message", ""))
-    assert events[-1]["message"] == (
-        'Waiting for 0.25 × H200: position 1 of 1 in queue "nlp" (team "nlp" holds 0.5 of 0.5 GPUs (quota))'
-    )
+    assert events[-1]["message"] == waiting
     assert events[-1]["reason"] == "quota-full", "the progress stream carries the wait's code for scripts"
     assert "q3/" not in hub.allocations(), "the cards have room: only the quota holds q3 back"
     hub.stop_server("q1")
@@ -175,7 +177,8 @@ def test_cancelling_a_queued_spawn_leaves_the_queue_cleanly(hub):
         hub.wait_ready(name)
     assert hub.api("POST", "/users/dave/server", json={"profile": "h200-quarter"}).status_code in (201, 202)
     hub.progress_until("dave", lambda e: "position 1 of 1" in e.get("message", ""))
-    assert hub.api("POST", "/users/erin/server", json={"profile": "h200-quarter"}).status_code in (201, 202)
+    reply = hub.api("POST", "/users/erin/server", json={"profile": "h200-quarter"})
+    assert reply.status_code == 202 and "position 2 of 2" in reply.text, reply.text
     hub.progress_until("erin", lambda e: "position 2 of 2" in e.get("message", ""))
     # dave's progress page, open while he waits and when he presses its "Stop Server" button
     watching = ThreadPoolExecutor(1).submit(hub.progress_until, "dave", lambda e: e.get("failed") or e.get("ready"),
