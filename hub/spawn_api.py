@@ -44,10 +44,15 @@ class ServerAPIHandler(UserServerAPIHandler):
         try:
             await asyncio.wait({spawning, queued}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not queued.done():
+            said = queued.done()
+            if not said:
                 queued.cancel()
+        problem = queued.exception() if said else None
         if spawning.done():
             return spawning.result()  # started, refused or failed meanwhile: JupyterHub's own answer
+        if problem is not None:  # the spawner could not say: JupyterHub's wait, as without the hook
+            log.warning("gpupool: whether %s/%s waits in the queue is unknown (%s)", user.name, server_name, problem)
+            return await spawning
         spawning.add_done_callback(_forget)
         self.waiting = queued.result()
         # JupyterHub's post() answers 202: the spawn is pending.
