@@ -7,12 +7,14 @@ upgrade that changes the spawner contract fails here, not for a user.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import jupyterhub
+import psutil
 
 from gpupool.hub.config import REPO_ROOT
 
@@ -47,8 +49,24 @@ def run_jupyterhub_tests(folder: Path, *modules: str, select: str = "") -> tuple
     return done, failures
 
 
+def end_exit_watchers(folder: Path) -> None:
+    """JupyterHub's `test_popen_kwargs` starts a spawner on a mocked `Popen` whose process is PID 5 (a kernel thread
+    here): the exit watcher `LocalGPUSpawner` starts for it (`spawner.local.watch_exit`, whose record is in this run's
+    folder) would wait for it as long as the machine runs. Its process group ends with the run."""
+    for process in psutil.process_iter(["cmdline"]):
+        command = process.info["cmdline"] or []
+        if "gpupool-exit-watch" in command and any(str(folder) in part for part in command):
+            try:
+                os.killpg(os.getpgid(process.pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
 def test_jupyterhub_spawner_named_servers_and_api_tests_pass_with_local_gpu_spawner(tmp_path):
-    done, failures = run_jupyterhub_tests(tmp_path, *MODULES)
+    try:
+        done, failures = run_jupyterhub_tests(tmp_path, *MODULES)
+    finally:
+        end_exit_watchers(tmp_path)
     summary = done.stdout[-6000:] + done.stderr[-2000:]
     assert done.returncode == 0 and not failures, (
         f"JupyterHub {jupyterhub.__version__}'s tests failed with LocalGPUSpawner: {failures}\n{summary}"
